@@ -1,0 +1,34 @@
+"""Test setup shared by the whole suite.
+
+Two logical CPU devices are configured before TensorFlow initializes its
+runtime, so MirroredStrategy tests run for real on this machine.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Tests that set the global dtype policy or float type never leak it."""
+    policy = keras.config.dtype_policy()
+    floatx = keras.config.floatx()
+    yield
+    keras.config.set_dtype_policy(policy)
+    keras.config.set_floatx(floatx)
+
+
+@pytest.fixture
+def two_replicas():
+    """MirroredStrategy over the two logical CPU devices."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
