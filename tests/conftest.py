@@ -28,7 +28,12 @@ def _restore_global_state():
     keras.config.set_floatx(floatx)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_replicas():
-    """MirroredStrategy over the two logical CPU devices."""
+    """MirroredStrategy over the two logical CPU devices.
+
+    One per session: separate MirroredStrategy objects in one process reuse
+    collective instance keys, and a later one's all-reduce can then meet an
+    earlier one's tensors ("Shape mismatch in the collective instance").
+    """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
