@@ -1,12 +1,42 @@
-"""kmp: mixed-precision training for Keras 3 on TensorFlow."""
+"""kmp: mixed-precision training for Keras 3 on TensorFlow.
+
+    kmp.set_precision("mixed_float16")
+    model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
+"""
 
 from kmp.config import Config, LossScaleConfig
+from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.errors import ConfigError, KmpError, LossScaleError
+from kmp.optimizer import LossScaleOptimizer
+from kmp.precision import (
+    Hardware,
+    Precision,
+    check_hardware,
+    float32_output,
+    precision_scope,
+    resolve_precision,
+    set_precision,
+)
+from kmp.wrap import wrap
+
+__version__ = "0.1.0"
 
 __all__ = [
     "Config",
     "ConfigError",
+    "Hardware",
     "KmpError",
     "LossScaleConfig",
     "LossScaleError",
+    "LossScaleOptimizer",
+    "Precision",
+    "check_hardware",
+    "float32_output",
+    "load_config",
+    "precision_scope",
+    "resolve_batch_sizes",
+    "resolve_precision",
+    "set_precision",
+    "to_deepspeed",
+    "wrap",
 ]

@@ -1,0 +1,288 @@
+"""Training callbacks. `LossScaleMonitor`: the loss-scale state in the logs,
+and the floor check that XLA compiles away.
+
+    model.fit(data, callbacks=[kmp.callbacks.LossScaleMonitor(), keras.callbacks.TensorBoard("logs")])
+
+Why the monitor adds its values where the logs are made
+-------------------------------------------------------
+In Keras 3.15 (`keras/src/callbacks/callback_list.py`) every event builds one
+fresh dict of Python floats and hands that same dict to the callbacks in list
+order; the `History` and the progress bar are appended after the user's
+callbacks, and no callback can reach its siblings (the list lives inside
+`fit()`). A callback that writes into that dict is seen only by the callbacks
+after it: a `TensorBoard`, `CSVLogger` or `History` placed before it misses
+the values. So, for the duration of `fit()`, the monitor wraps
+`model.train_function` (built before `on_train_begin`) and adds the state to
+the logs that function returns. Every callback, wherever it sits, then sees
+`loss_scale`, `overflows`, `skipped_steps` and (kmp's optimizer only)
+`hysteresis_left`: the progress bar, `History.history` (the state after each
+epoch's last step), TensorBoard's `epoch_*` and, with `update_freq="batch"` or
+an int, `batch_*` scalars, `EarlyStopping(monitor="loss_scale")`.
+`on_train_end` puts the original function back. With more keys in the step's
+logs than `model.metrics` has, Keras takes the epoch logs from the last step's
+logs instead of asking the metrics again; on TensorFlow these are the same
+values (a train step returns `get_metrics_result()`).
+
+Cost: after each execution of the training function the monitor takes device
+snapshots of the scalars; Keras copies them to the host with the loss, in the
+conversion it already makes after every batch (synchronously on TensorFlow).
+The monitor copies state to the host itself (one stacked read) only on
+executions where the floor check below could fire, and at `on_train_begin`.
+
+The floor check (kmp's optimizer with a dynamic scale and
+`raise_at_min_scale=True`)
+-----------------------------------------------------------------------
+An XLA-compiled step cannot raise: the stuck step is skipped, the scale stays
+at the floor, and training would go on skipping. From the state before and
+after an execution of `k <= steps_per_execution` steps:
+
+    overflows = after.overflows - before.overflows
+    clean     = after.iterations - before.iterations  # skipped steps do not count
+    if overflows and before.scale <= min_scale and before.hysteresis_left <= 1:
+        if after.good_steps == clean:          # the execution began with an overflow
+            raise LossScaleError
+        if no clean step in it could grow the scale or refill hysteresis:
+            raise LossScaleError               # every overflow in it was at the floor
+
+With `steps_per_execution=1` this is exact. With more, it raises only when
+certain: a stuck step that follows a clean step able to grow the scale or
+refill the hysteresis in the same execution goes unreported (the state alone
+cannot tell it from an overflow after a growth). If the overflows persist, the
+next execution that begins with one is reported. Outside XLA the optimizer
+raises first and the check never fires.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmp import loss_scale
+from kmp.config import LossScaleConfig
+from kmp.errors import LossScaleError
+
+# Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
+_LOGGED = {
+    "loss_scale": "dynamic_scale",
+    "hysteresis_left": "hysteresis_left",
+    "overflows": "overflows",
+    "skipped_steps": "skipped_steps",
+}
+# What the floor check reads besides the logged values.
+_CHECKED = {"good_steps": "good_steps", "iterations": "iterations"}
+
+
+class WindowState(NamedTuple):
+    """The optimizer state the floor check compares, as Python numbers."""
+
+    scale: float
+    hysteresis_left: int
+    good_steps: int
+    overflows: int
+    iterations: int  # applied steps: a skipped step does not advance it (spec)
+
+
+def steps_clear_of_floor(config: LossScaleConfig, scale: float, hysteresis_left: int) -> int:
+    """How many steps from this state certainly cannot be stuck at the floor.
+
+    A stuck step needs `hysteresis_left <= 1` and `scale <= min_scale` before
+    it. Each overflow uses up one hysteresis (when more than one is left) or
+    backs the scale off once, and clean steps only raise both, so at least this
+    many overflows come first. float32 arithmetic, as in the optimizer.
+    """
+    floor = np.float32(config.min_scale)
+    scale = np.float32(scale)
+    backoffs = 0
+    while np.isfinite(scale) and scale > floor:
+        scale = max(np.float32(scale * np.float32(config.backoff_factor)), floor)
+        backoffs += 1
+    return max(int(hysteresis_left) - 1, 0) + backoffs
+
+
+def stuck_in_window(config: LossScaleConfig, before: WindowState, after: WindowState) -> bool:
+    """Whether the steps between two states certainly overflowed at the floor.
+
+    "Stuck" as in `kmp.loss_scale.adjust`: an overflow not absorbed by
+    hysteresis, with the scale already at `min_scale`. False when unsure (see
+    the module docstring).
+    """
+    if not (config.dynamic and config.raise_at_min_scale):
+        return False
+    overflows = after.overflows - before.overflows
+    clean = after.iterations - before.iterations
+    at_floor = np.float32(before.scale) <= np.float32(config.min_scale) and before.hysteresis_left <= 1
+    if overflows <= 0 or not at_floor:
+        return False
+    if after.good_steps == clean:
+        # Every clean step came after the last overflow: the first step overflowed.
+        return True
+    return not _could_lift(config, before.good_steps, clean)
+
+
+def _could_lift(config: LossScaleConfig, good_steps: int, clean: int) -> bool:
+    """Whether `clean` clean steps, in any order with overflows, could raise the
+    scale or refill hysteresis above 1. Clean steps before the first overflow
+    count on from `good_steps`, those after an overflow from 0."""
+    if config.consecutive_hysteresis and config.hysteresis > 1:
+        return clean > 0
+    return any(
+        loss_scale.grows(config, good_steps + n) or loss_scale.grows(config, n) for n in range(1, clean + 1)
+    )
+
+
+def to_host(tensors: list) -> list[float]:
+    """Scalars to Python floats in one device-to-host copy."""
+    if not tensors:
+        return []
+    return tf.stack([tf.cast(t, tf.float64) for t in tensors]).numpy().tolist()
+
+
+class _Probe:
+    """Reads one LossScaleOptimizer's state after each execution of the step.
+
+    `known` is the host state at the start of the next execution, or of an
+    earlier one when `unchecked_steps` steps have run since without a read.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int):
+        self.optimizer = optimizer
+        config = getattr(optimizer, "loss_scale_config", None)  # kmp's optimizer only
+        self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
+        self.steps_per_execution = steps_per_execution
+        self.unchecked_steps = 0
+        self.before = None  # device snapshot at the start of the next execution
+        self.known = self._initial_state() if self.config is not None else None
+
+    def _variables(self, names: dict[str, str]) -> dict:
+        found = {key: getattr(self.optimizer, attr, None) for key, attr in names.items()}
+        return {key: v for key, v in found.items() if v is not None}
+
+    def _snapshot(self, names: dict[str, str]) -> dict:
+        return {key: tf.convert_to_tensor(v) for key, v in self._variables(names).items()}
+
+    def _initial_state(self) -> WindowState:
+        if not self.optimizer.built:  # built inside the first step (TensorFlow without a strategy)
+            start = loss_scale.initial_state(self.config)
+            iterations = int(to_host([tf.convert_to_tensor(self.optimizer.iterations)])[0])
+            return WindowState(start.scale, start.hysteresis_left, 0, 0, iterations)
+        return self._state(to_host(list(self._snapshot(_LOGGED | _CHECKED).values())), _LOGGED | _CHECKED)
+
+    @staticmethod
+    def _state(values: list[float], names: dict[str, str]) -> WindowState:
+        v = dict(zip(names, values))
+        return WindowState(
+            v["loss_scale"], int(v["hysteresis_left"]), int(v["good_steps"]), int(v["overflows"]), int(v["iterations"])
+        )
+
+    def _may_be_stuck(self) -> bool:
+        """Whether the next execution could hold a stuck step."""
+        margin = steps_clear_of_floor(self.config, self.known.scale, self.known.hysteresis_left)
+        return self.unchecked_steps + self.steps_per_execution > margin
+
+    def add_state(self, logs: dict) -> dict:
+        """`logs` with the state after the execution that produced them."""
+        snapshot = self._snapshot(_LOGGED)
+        if "loss_scale" not in snapshot:  # not built: nothing ran
+            return logs
+        values = snapshot
+        if self.config is not None:
+            if self._may_be_stuck():
+                values = self._check(snapshot)
+            else:
+                self.unchecked_steps += self.steps_per_execution
+            if self.unchecked_steps and self._may_be_stuck():
+                # The next execution needs its starting state; `known` is older.
+                self.before = self._snapshot(_LOGGED | _CHECKED)
+        logs = dict(logs)
+        for key, value in values.items():
+            logs.setdefault(key, value)  # a user metric of the same name wins
+        return logs
+
+    def _check(self, snapshot: dict) -> dict:
+        """Reads the state after this execution; raises if it was stuck."""
+        names = _LOGGED | _CHECKED
+        after = snapshot | self._snapshot(_CHECKED)
+        tensors = [after[k] for k in names]
+        if self.unchecked_steps:
+            tensors += [self.before[k] for k in names]
+        host = to_host(tensors)
+        after_state = self._state(host[: len(names)], names)
+        before_state = self._state(host[len(names):], names) if self.unchecked_steps else self.known
+        if stuck_in_window(self.config, before_state, after_state):
+            raise LossScaleError(loss_scale.floor_message(before_state.scale, self.config))
+        self.known, self.unchecked_steps, self.before = after_state, 0, None
+        return {key: value for key, value in zip(names, host) if key in _LOGGED and key in snapshot}
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Logs the loss-scale state and stops training stuck at the floor under XLA.
+
+    Adds `loss_scale`, `overflows`, `skipped_steps` and `hysteresis_left` (the
+    last three with kmp's `LossScaleOptimizer`; Keras's has only the scale) to
+    the logs of every training step, so they reach the progress bar,
+    `History.history` and TensorBoard wherever the monitor and those callbacks
+    sit in `callbacks=[...]`. With kmp's optimizer, a dynamic scale and
+    `raise_at_min_scale=True`, raises `kmp.LossScaleError` when a step
+    overflowed at the floor, which an XLA-compiled step cannot do itself.
+    With any other optimizer it warns once and does nothing.
+
+    See the module docstring for how and when values are read.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._warned = False
+        self._installed = None  # (model, original train_function, wrapper)
+
+    def on_train_begin(self, logs=None):
+        self._uninstall()  # left behind by a fit() that raised outside the step
+        optimizer = self.model.optimizer
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self._warn_no_loss_scale(optimizer)
+            return
+        original = self.model.train_function
+        if original is None:  # a custom loop that calls the callbacks itself
+            return
+        probe = _Probe(optimizer, int(self.model.steps_per_execution or 1))
+
+        def train_function_with_loss_scale(iterator):
+            try:
+                logs = original(iterator)
+                return probe.add_state(logs) if isinstance(logs, dict) else logs
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # the end of the data, not a failure
+            except BaseException:
+                self._uninstall()
+                raise
+
+        self._installed = (self.model, original, train_function_with_loss_scale)
+        self.model.train_function = train_function_with_loss_scale
+
+    def on_train_end(self, logs=None):
+        self._uninstall()
+
+    def _uninstall(self):
+        if self._installed is None:
+            return
+        model, original, wrapper = self._installed
+        if model.train_function is wrapper:  # not replaced since (compile() resets it)
+            model.train_function = original
+        self._installed = None
+
+    def _warn_no_loss_scale(self, optimizer):
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            "kmp.callbacks.LossScaleMonitor expected the model's optimizer to be a "
+            "LossScaleOptimizer (kmp's or Keras's). Received: "
+            f"optimizer={type(optimizer).__name__}. There is no loss scale to monitor, "
+            "so the monitor does nothing. For float16 training wrap the optimizer "
+            "(kmp.wrap(optimizer) or kmp.LossScaleOptimizer(optimizer)); float32 and "
+            "bfloat16 need no loss scaling and no monitor.",
+            stacklevel=2,
+        )

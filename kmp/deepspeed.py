@@ -1,0 +1,389 @@
+"""Read a DeepSpeed-style JSON config into `kmp.config.Config`, and write one back.
+
+- One table, `DEEPSPEED_KEYS`, maps each DeepSpeed key path to a Config field
+  path. `load_config` and `to_deepspeed` both walk it, so a key cannot be read
+  one way and written another: `load_config(to_deepspeed(c)) == c`.
+- Checking has two layers. The table checks each JSON value's type (the string
+  "2" is not a hysteresis); `Config.problems(paths=...)` checks ranges and
+  relations and reports them under the JSON key path. Everything found goes
+  into one ConfigError, so a file is fixed in one pass.
+- Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
+  Defaults table, right column), so a file means what it means to DeepSpeed.
+- Unknown keys are errors with a did-you-mean: a misspelled `hysterisis` that
+  silently keeps the default is the bug this module exists to catch. Keys
+  DeepSpeed knows but kmp does not act on (ZeRO, optimizer, monitors, ...) are
+  named together in one warning.
+- kmp-only settings live in a `kmp` block. DeepSpeed reads top-level keys one
+  by one and ignores the rest, so one file can serve both.
+- `resolve_batch_sizes` infers and checks batch sizes exactly as DeepSpeed's
+  `DeepSpeedConfig._set_batch_related_parameters` / `_batch_assertion` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from kmp.config import GROWTH_RULES, Config, LossScaleConfig
+from kmp.errors import ConfigError, Problem, check, did_you_mean
+
+# The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
+# growth rule and max scale of its current DynamicLossScaler).
+DEEPSPEED_LOSS_SCALE = LossScaleConfig(
+    initial_scale=2.0**16,
+    dynamic_growth_steps=1000,
+    hysteresis=2,
+    consecutive_hysteresis=False,
+    min_scale=1.0,
+    max_scale=2.0**24,
+    raise_at_min_scale=True,
+    growth_rule="after_window",
+)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    # json.loads accepts NaN and Infinity; no setting here can use them.
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+# JSON value kinds: (what the error says is expected, the test).
+_BOOL = ("true or false", lambda v: isinstance(v, bool))
+_INT = ("an integer", _is_int)
+_NUMBER = ("a number", _is_number)
+_GROWTH_RULE = ("one of " + ", ".join(repr(r) for r in GROWTH_RULES), lambda v: isinstance(v, str))
+
+
+def _zero_is_none(v: Any) -> float | None:
+    return float(v) if v > 0 else None
+
+
+def _none_is_zero(v: float | None) -> float:
+    return 0 if v is None else v
+
+
+def _two_to_the(power: int) -> float:
+    # A power past float range becomes inf, which the range check then reports.
+    return math.ldexp(1.0, power) if power < 1024 else math.inf
+
+
+def _is_power_of_two(x: Any) -> bool:
+    return _is_number(x) and x >= 1 and math.frexp(x)[0] == 0.5
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True)
+class _Key:
+    """One row of the table: a DeepSpeed key path and the Config field it fills."""
+
+    key: str
+    field: str
+    kind: tuple[str, Callable[[Any], bool]]
+    load: Callable[[Any], Any] = _same  # JSON -> field value; None keeps the default
+    dump: Callable[[Any], Any] = _same  # field value -> JSON; None leaves the key out
+    note: str = ""  # added to range problems, formatted with the JSON value
+
+
+DEEPSPEED_KEYS: tuple[_Key, ...] = (
+    _Key("train_batch_size", "train_batch_size", _INT),
+    _Key("train_micro_batch_size_per_gpu", "micro_batch_size", _INT),
+    _Key("gradient_accumulation_steps", "gradient_accumulation_steps", _INT),
+    _Key("gradient_clipping", "gradient_clipping", ("a number >= 0 (0 means no clipping)",
+         lambda v: _is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
+    _Key("fp16.enabled", "precision", _BOOL, lambda on: "fp16" if on else None, lambda p: p == "fp16"),
+    _Key("fp16.loss_scale", "loss_scale.static_scale", ("a number >= 0 (0 means dynamic scaling)",
+         lambda v: _is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
+    _Key("fp16.initial_scale_power", "loss_scale.initial_scale", ("an integer >= 0 (initial scale = 2**power)",
+         lambda v: _is_int(v) and v >= 0), _two_to_the, lambda s: math.frexp(s)[1] - 1,
+         note="The initial scale is 2**{}."),
+    _Key("fp16.loss_scale_window", "loss_scale.dynamic_growth_steps", _INT),
+    _Key("fp16.hysteresis", "loss_scale.hysteresis", _INT),
+    _Key("fp16.consecutive_hysteresis", "loss_scale.consecutive_hysteresis", _BOOL),
+    _Key("fp16.min_loss_scale", "loss_scale.min_scale", _NUMBER, float),
+    _Key("bf16.enabled", "precision", _BOOL, lambda on: "bf16" if on else None, lambda p: p == "bf16"),
+    _Key("kmp.growth_rule", "loss_scale.growth_rule", _GROWTH_RULE),
+    _Key("kmp.max_scale", "loss_scale.max_scale", _NUMBER, float),
+    _Key("kmp.raise_at_min_scale", "loss_scale.raise_at_min_scale", _BOOL),
+    _Key("kmp.growth_factor", "loss_scale.growth_factor", _NUMBER, float),
+    _Key("kmp.backoff_factor", "loss_scale.backoff_factor", _NUMBER, float),
+)
+
+_BLOCKS = ("fp16", "bf16", "kmp")
+
+# Keys DeepSpeed reads (deepspeed/runtime/config.py, precision_config.py,
+# monitor/config.py of DeepSpeed 0.19) that kmp does not act on.
+_IGNORED: dict[str, list[str]] = {
+    "": """zero_optimization optimizer scheduler steps_per_print wall_clock_breakdown memory_breakdown
+        dump_state activation_checkpointing flops_profiler autotuning tensorboard wandb csv_monitor comet
+        trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
+        communication_data_type seq_parallel_communication_data_type prescale_gradients
+        gradient_predivide_factor gradient_allreduce_op sparse_gradients disable_allgather data_types
+        checkpoint aio elasticity compression_training quantize_training data_efficiency
+        curriculum_learning sparse_attention pipeline progressive_layer_drop eigenvalue hybrid_engine
+        dataloader_drop_last vocabulary_size graph_harvesting weight_quantization compile timers
+        tensor_parallel expert_parallel nebula datastates_ckpt use_data_before_expert_parallelism
+        sequence_parallel_size log_level disable_python_gc managed_gradient_accumulation""".split(),
+    "fp16": ["auto_cast", "fp16_master_weights_and_grads"],
+    "bf16": ["immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"],
+}
+
+
+def _get(config: Config, field: str) -> Any:
+    return functools.reduce(getattr, field.split("."), config)
+
+
+def load_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
+    """A Config from a dict, a path to a JSON file, or a JSON string (starts with '{').
+
+    Raises one ConfigError listing every problem; warns once about DeepSpeed
+    keys that kmp ignores.
+    """
+    raw, name = _read(source)
+    config, ignored = _from_dict(raw, name)
+    if ignored:
+        warnings.warn(
+            f"kmp does not act on these keys of the {name}, and ignores them: {', '.join(ignored)}. "
+            "Keep them if DeepSpeed reads the same file; remove them to silence this warning.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return config
+
+
+def _read(source: Any) -> tuple[Any, str]:
+    if isinstance(source, Mapping):
+        return source, "DeepSpeed config"
+    if isinstance(source, str) and source.lstrip().startswith("{"):
+        return _parse(source, "DeepSpeed config (JSON string)"), "DeepSpeed config (JSON string)"
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError([Problem("source", "a dict, a path to a JSON file, or a JSON string", source)],
+                          "DeepSpeed config")
+    path = os.fspath(source)
+    name = f"DeepSpeed config {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        problem = Problem("path", "an existing JSON file", path,
+                          f"No such file; a relative path starts at {os.getcwd()}.")
+        raise ConfigError([problem], name) from None
+    except (OSError, UnicodeDecodeError) as e:
+        problem = Problem("path", "a readable UTF-8 JSON file", path, f"Reading it failed: {e}.")
+        raise ConfigError([problem], name) from None
+    return _parse(text, name), name
+
+
+def _parse(text: str, name: str) -> Any:
+    duplicates: list[str] = []
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # json keeps the last of two equal keys; DeepSpeed rejects them, and so do we.
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                duplicates.append(key)
+            seen[key] = value
+        return seen
+
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        lines = text.splitlines()
+        line = lines[e.lineno - 1].strip() if e.lineno <= len(lines) else ""
+        where = f"line {e.lineno}, column {e.colno}"
+        problem = Problem(where, "valid JSON", line,
+                          f"{e.msg} at {where}. JSON allows no comments, trailing commas or single quotes.")
+        raise ConfigError([problem], name) from None
+    check([Problem(k, "each key once per object", "given more than once") for k in duplicates], name)
+    return data
+
+
+def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
+    if not isinstance(raw, Mapping):
+        check([Problem("(top level)", "a JSON object {...}", raw)], name)
+    problems: list[Problem] = []
+    ignored: list[str] = []
+    # "bfloat16" is DeepSpeed's old name of the bf16 block; report paths as the user spelled them.
+    spelled = {b: b for b in _BLOCKS}
+    if "bfloat16" in raw:
+        if "bf16" in raw:
+            problems.append(Problem("bfloat16", "no bfloat16 block next to bf16 (it is bf16's old name)",
+                                    raw["bfloat16"], "Merge it into bf16."))
+        else:
+            spelled["bf16"] = "bfloat16"
+    levels: dict[str, Mapping[str, Any]] = {"": raw}
+    for block, block_name in spelled.items():
+        if block_name in raw:
+            if isinstance(raw[block_name], Mapping):
+                levels[block] = raw[block_name]
+            else:
+                problems.append(Problem(block_name, "a JSON object {...}", raw[block_name]))
+
+    def path_of(key: str) -> str:
+        block, _, leaf = key.rpartition(".")
+        return f"{spelled[block]}.{leaf}" if block else key
+
+    # Unknown and ignored keys, level by level.
+    for level, values in levels.items():
+        known = [k.key.rpartition(".")[2] for k in DEEPSPEED_KEYS if k.key.rpartition(".")[0] == level]
+        known += _IGNORED.get(level, []) + ([] if level else ["bfloat16", *_BLOCKS])
+        for key, value in values.items():
+            path = f"{spelled[level]}.{key}" if level else key
+            if key in _IGNORED.get(level, []):
+                ignored.append(path)
+            elif key not in known:
+                where = spelled[level] if level else "the top level"
+                problems.append(Problem(path, f"a key of {where} that kmp or DeepSpeed knows", value,
+                                        _unknown_key_fix(str(key), level, known, spelled)))
+
+    # Values, through the table. A value of the wrong type is reported and
+    # left out, so the range checks below do not report it a second time.
+    claimed: dict[str, tuple[str, Any]] = {}  # field -> (key path, value)
+    given: dict[str, Any] = {}  # key path -> JSON value
+    for row in DEEPSPEED_KEYS:
+        block, _, leaf = row.key.rpartition(".")
+        if block not in levels or leaf not in levels[block]:
+            continue
+        path = path_of(row.key)
+        value = given[path] = levels[block][leaf]
+        expected, accepts = row.kind
+        if not accepts(value):
+            fix = ("'auto' is filled in by Hugging Face's Trainer, not by DeepSpeed or kmp; give the value."
+                   if value == "auto" else "")
+            problems.append(Problem(path, expected, value, fix))
+            continue
+        loaded = row.load(value)
+        if loaded is None:
+            continue
+        if row.field in claimed:
+            # Only fp16.enabled and bf16.enabled share a field: both true.
+            other = claimed[row.field][0]
+            for p in (other, path):
+                problems.append(Problem(p, f"at most one of {other}, {path} to be true", True,
+                                        "Train in one precision; bf16 needs no loss scaling."))
+            continue
+        claimed[row.field] = (path, loaded)
+
+    scale = {f.partition(".")[2]: v for f, (_, v) in claimed.items() if f.startswith("loss_scale.")}
+    top = {f: v for f, (_, v) in claimed.items() if not f.startswith("loss_scale.")}
+    config = Config(**top, loss_scale=dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale))
+
+    rows = {path_of(row.key): row for row in DEEPSPEED_KEYS}
+    for p in config.problems(paths={row.field: path for path, row in rows.items()}):
+        row = rows.get(p.path)
+        if row is not None:
+            # Show the value as written in JSON (the power, not 2**power).
+            shown = given[p.path] if p.path in given else row.dump(_get(config, row.field))
+            fix = row.note.format(shown)
+            if p.path not in given:
+                fix += " That is DeepSpeed's default; set the key to change it."
+            p = dataclasses.replace(p, received=shown, fix=fix.strip())
+        problems.append(p)
+    check(problems, name)
+    return config, ignored
+
+
+def _unknown_key_fix(key: str, level: str, known: list[str], spelled: dict[str, str]) -> str:
+    if level:
+        return did_you_mean(key, known) or f"{spelled[level]} accepts: {', '.join(sorted(known))}."
+    # A block's key written at the top level, as "hysteresis" or "fp16.hysteresis".
+    nested = [k.key.split(".") for k in DEEPSPEED_KEYS if "." in k.key and key in (k.key, k.key.split(".")[1])]
+    if nested:
+        return "Keys nest by block: write " + " or ".join(f'{{"{b}": {{"{k}": ...}}}}' for b, k in nested) + "."
+    # Offer "fp16.hysteresis" too, for a misspelled key put outside its block.
+    return did_you_mean(key, known + [k.key for k in DEEPSPEED_KEYS]) or (
+        "Check its spelling against DeepSpeed's config documentation, or remove it.")
+
+
+def to_deepspeed(config: Config) -> dict[str, Any]:
+    """The DeepSpeed-style dict that `load_config` reads back as `config`.
+
+    Every table key is written, defaults too, so the file means the same to
+    any reader whatever its defaults. Raises ConfigError for an invalid config,
+    or an initial scale that is not 2**n (DeepSpeed stores only the power).
+    """
+    problems = config.problems()
+    scale = config.loss_scale.initial_scale
+    if not problems and not _is_power_of_two(scale):
+        problems.append(Problem("loss_scale.initial_scale", "a power of two >= 1 (DeepSpeed stores "
+                                "fp16.initial_scale_power)", scale, "Use 2.0**n, e.g. 2.0**16."))
+    check(problems, "kmp config")
+    out: dict[str, Any] = {}
+    for row in DEEPSPEED_KEYS:
+        value = row.dump(_get(config, row.field))
+        if value is not None:
+            block, _, leaf = row.key.rpartition(".")
+            (out.setdefault(block, {}) if block else out)[leaf] = value
+    return out
+
+
+def resolve_batch_sizes(config: Config, world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro_batch_size, gradient_accumulation_steps), DeepSpeed's way.
+
+    Missing values are inferred as DeepSpeed's `_set_batch_related_parameters`
+    does, with floor division (so a bad pair can infer a wrong value, which the
+    check then reports):
+
+        train, micro -> gas   = train // micro // world
+        train, gas   -> micro = train // world // gas
+        micro, gas   -> train = micro * gas * world
+        train        -> gas = 1, micro = train // world
+        micro        -> gas = 1, train = micro * world
+    then, as its `_batch_assertion`: train == micro * gas * world.
+    """
+    train, micro, gas = config.train_batch_size, config.micro_batch_size, config.gradient_accumulation_steps
+    problems = []
+    if not _is_int(world_size) or world_size < 1:
+        problems.append(Problem("world_size", "an integer >= 1 (the number of data-parallel replicas)", world_size))
+    for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
+                       ("gradient_accumulation_steps", gas)):
+        if value is not None and (not _is_int(value) or value < 1):
+            problems.append(Problem(key, "an integer >= 1, or none to infer it", value))
+    if train is None and micro is None:
+        problems.append(Problem(
+            "train_batch_size", "train_batch_size or train_micro_batch_size_per_gpu to be given", None,
+            "DeepSpeed: 'Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided'."))
+    check(problems, "batch sizes")
+
+    world, inferred = world_size, ""
+    if train is not None and micro is not None and gas is None:
+        gas = train // micro // world
+        inferred = f"gradient_accumulation_steps was inferred as {train} // {micro} // {world} = {gas}. "
+    elif train is not None and micro is None:
+        gas = 1 if gas is None else gas
+        micro = train // world // gas
+        inferred = f"train_micro_batch_size_per_gpu was inferred as {train} // {world} // {gas} = {micro}. "
+    elif train is None:
+        gas = 1 if gas is None else gas
+        train = micro * gas * world
+    if train != micro * gas * world:
+        choices = []
+        if micro >= 1 and gas >= 1:
+            choices.append(f"train_batch_size={micro * gas * world}")
+        if micro >= 1 and train % (micro * world) == 0:
+            choices.append(f"gradient_accumulation_steps={train // (micro * world)}")
+        if gas >= 1 and train % (gas * world) == 0:
+            choices.append(f"train_micro_batch_size_per_gpu={train // (gas * world)}")
+        choices = choices or [f"train_batch_size={max(micro, 1) * max(gas, 1) * world}"]
+        check([Problem(
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size = "
+            f"{micro} * {gas} * {world} = {micro * gas * world}",
+            train,
+            "DeepSpeed: 'Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu "
+            f"* gradient_acc_step * world_size {train} != {micro} * {gas} * {world}'. {inferred}"
+            f"Consistent values (change one): {', or '.join(choices)}.",
+        )], "batch sizes")
+    return train, micro, gas

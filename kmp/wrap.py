@@ -1,0 +1,123 @@
+"""kmp.wrap: one call that returns the optimizer right for the precision.
+
+    model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
+
+float16 compute gets a configured `kmp.LossScaleOptimizer`; bfloat16 and
+float32 need no loss scaling and get the optimizer itself, with the config's
+clipping applied. Precision comes from, in order: `precision=`, the config's
+`fp16`/`bf16` block when one is enabled, the active global Keras policy.
+`wrap` never changes the global policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import keras
+
+from kmp.config import Config, LossScaleConfig
+from kmp.deepspeed import load_config
+from kmp.errors import Problem, check, did_you_mean
+from kmp.optimizer import LossScaleOptimizer
+from kmp.precision import Precision, resolve_precision
+
+_SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
+_TOP_FIELDS = ("gradient_clipping",)
+_OPTIMIZER_FIELDS = ("log_overflows",)
+
+
+def wrap(optimizer, config=None, *, precision=None, **overrides):
+    """The optimizer to compile with, for the given or active precision.
+
+    Args:
+        optimizer: a `keras.optimizers.Optimizer` or a name Keras knows ("adamw").
+        config: a `kmp.Config`, or a DeepSpeed-style config as a dict, a JSON
+            file path or a JSON string (see `kmp.load_config`).
+        precision: any spelling `kmp.resolve_precision` accepts; overrides
+            the config and the global policy for this optimizer only.
+        **overrides: loss-scale settings (`hysteresis=2`, `min_scale=...`,
+            any `kmp.LossScaleOptimizer` argument), `gradient_clipping`.
+    """
+    settings = config if isinstance(config, Config) else (Config() if config is None else load_config(config))
+    settings, extra = _with_overrides(settings, overrides)
+    optimizer = _as_optimizer(optimizer)
+    chosen = _choose_precision(precision, settings)
+    _apply_clipping(optimizer, settings.gradient_clipping)
+    if (settings.gradient_accumulation_steps or 1) > 1:
+        check([Problem(
+            "gradient_accumulation_steps", "1 (kmp.wrap does not accumulate gradients yet)",
+            settings.gradient_accumulation_steps,
+            "Leave it out for now; accumulation that is correct under tf.distribute is tracked "
+            "in kmp's gradient-accumulation issue. Keras's own `gradient_accumulation_steps` "
+            "fails under MirroredStrategy.",
+        )], "kmp.wrap settings")
+    if not chosen.needs_loss_scaling:
+        return optimizer
+    return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
+
+
+def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
+    known = _SCALE_FIELDS + _TOP_FIELDS + _OPTIMIZER_FIELDS
+    problems = [
+        Problem(name, "a loss-scale setting or gradient_clipping", value, did_you_mean(name, known))
+        for name, value in overrides.items()
+        if name not in known
+    ]
+    check(problems, "kmp.wrap arguments")
+    scale = {k: v for k, v in overrides.items() if k in _SCALE_FIELDS}
+    top = {k: v for k, v in overrides.items() if k in _TOP_FIELDS}
+    extra = {k: v for k, v in overrides.items() if k in _OPTIMIZER_FIELDS}
+    settings = dataclasses.replace(settings, loss_scale=dataclasses.replace(settings.loss_scale, **scale), **top)
+    return settings.validated("kmp.wrap settings"), extra
+
+
+def _as_optimizer(optimizer) -> keras.optimizers.Optimizer:
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        check([Problem(
+            "optimizer", "an optimizer without loss scaling", type(optimizer).__name__,
+            "It is already a LossScaleOptimizer: wrap its `inner_optimizer`, or use it as it is.",
+        )], "kmp.wrap arguments")
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    if isinstance(optimizer, str):
+        try:
+            return keras.optimizers.get(optimizer)
+        except ValueError:
+            pass
+    check([Problem(
+        "optimizer", "a keras.optimizers.Optimizer or a name such as 'adamw', 'adam', 'sgd'", optimizer,
+    )], "kmp.wrap arguments")
+
+
+def _choose_precision(precision, settings: Config) -> Precision:
+    if precision is not None:
+        return resolve_precision(precision)
+    policy = resolve_precision(keras.config.dtype_policy())
+    if settings.precision == "fp32":
+        return policy
+    chosen = resolve_precision(settings)
+    if chosen.compute_dtype != policy.compute_dtype:
+        warnings.warn(
+            f"The config asks for {settings.precision} but the global Keras policy computes in "
+            f"{policy.compute_dtype}, so layers built now will not use {chosen.compute_dtype}. "
+            f"Set the policy before building the model: kmp.set_precision({str(chosen)!r}).",
+            stacklevel=3,
+        )
+    return chosen
+
+
+def _apply_clipping(optimizer: keras.optimizers.Optimizer, clip: float | None) -> None:
+    """DeepSpeed's `gradient_clipping` is a global-norm clip."""
+    if clip is None:
+        return
+    already = {k: getattr(optimizer, k) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
+    already = {k: v for k, v in already.items() if v is not None}
+    if already and already != {"global_clipnorm": clip}:
+        name, value = next(iter(already.items()))
+        check([Problem(
+            "gradient_clipping", f"unset, since the optimizer already clips ({name}={value})", clip,
+            "Set clipping in one place: the config or the optimizer.",
+        )], "kmp.wrap settings")
+    optimizer.global_clipnorm = clip

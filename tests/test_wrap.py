@@ -1,0 +1,111 @@
+"""kmp.wrap: the optimizer right for the precision, configured."""
+
+import json
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.optimizer import LossScaleOptimizer
+
+
+def test_float16_policy_gets_a_loss_scale_optimizer_with_python_defaults():
+    keras.config.set_dtype_policy("mixed_float16")
+    inner = keras.optimizers.AdamW(1e-3)
+    opt = kmp.wrap(inner)
+    assert type(opt) is LossScaleOptimizer
+    assert opt.inner_optimizer is inner
+    assert opt.loss_scale_config == kmp.LossScaleConfig()
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+def test_no_loss_scaling_without_float16_compute(policy):
+    keras.config.set_dtype_policy(policy)
+    inner = keras.optimizers.SGD()
+    assert kmp.wrap(inner) is inner
+
+
+def test_precision_argument_wins_and_leaves_the_global_policy_alone():
+    keras.config.set_dtype_policy("float32")
+    assert isinstance(kmp.wrap(keras.optimizers.SGD(), precision="16-mixed"), LossScaleOptimizer)
+    assert keras.config.dtype_policy().name == "float32"
+    keras.config.set_dtype_policy("mixed_float16")
+    plain = keras.optimizers.SGD()
+    assert kmp.wrap(plain, precision="bf16-mixed") is plain
+
+
+def test_optimizer_by_name():
+    opt = kmp.wrap("adamw", precision="mixed_float16")
+    assert isinstance(opt.inner_optimizer, keras.optimizers.AdamW)
+    with pytest.raises(kmp.ConfigError, match="Received: optimizer='adamz'"):
+        kmp.wrap("adamz")
+    with pytest.raises(kmp.ConfigError, match="already a LossScaleOptimizer"):
+        kmp.wrap(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+def test_deepspeed_config_from_file_sets_deepspeed_defaults_and_clipping(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"fp16": {"enabled": True, "hysteresis": 4}, "gradient_clipping": 1.0}))
+    opt = kmp.wrap(keras.optimizers.Adam(), str(path))
+    config = opt.loss_scale_config
+    assert (config.initial_scale, config.dynamic_growth_steps, config.hysteresis) == (2.0**16, 1000, 4)
+    assert config.growth_rule == "after_window"
+    assert opt.inner_optimizer.global_clipnorm == 1.0
+
+
+def test_config_enables_fp16_but_the_policy_is_float32_warns():
+    keras.config.set_dtype_policy("float32")
+    with pytest.warns(UserWarning, match=r"kmp.set_precision\('mixed_float16'\)"):
+        opt = kmp.wrap(keras.optimizers.SGD(), {"fp16": {"enabled": True}})
+    assert isinstance(opt, LossScaleOptimizer)
+
+
+def test_config_without_precision_follows_the_policy():
+    keras.config.set_dtype_policy("mixed_float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = kmp.wrap(keras.optimizers.SGD(), {"gradient_clipping": 0.5})
+    assert isinstance(opt, LossScaleOptimizer) and opt.inner_optimizer.global_clipnorm == 0.5
+
+
+def test_bf16_gets_the_plain_optimizer_with_clipping():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inner = keras.optimizers.SGD()
+    assert kmp.wrap(inner, {"bf16": {"enabled": True}, "gradient_clipping": 2.0}) is inner
+    assert inner.global_clipnorm == 2.0
+
+
+def test_overrides_and_their_errors():
+    opt = kmp.wrap(keras.optimizers.SGD(), precision="mixed_float16", hysteresis=3, min_scale=2.0,
+                   log_overflows=False)
+    assert opt.loss_scale_config.hysteresis == 3 and opt.log_overflows is False
+    with pytest.raises(kmp.ConfigError) as info:
+        kmp.wrap(keras.optimizers.SGD(), precision="mixed_float16", hysterisis=3, min_scale=-1)
+    text = str(info.value)
+    assert "Did you mean 'hysteresis'?" in text
+
+
+def test_clipping_in_two_places_is_an_error():
+    with pytest.raises(kmp.ConfigError, match=r"optimizer already clips \(clipnorm=1.0\)"):
+        kmp.wrap(keras.optimizers.SGD(clipnorm=1.0), {"gradient_clipping": 0.5})
+
+
+def test_accumulation_is_refused_clearly_until_supported():
+    with pytest.raises(kmp.ConfigError, match="gradient_accumulation_steps"):
+        kmp.wrap(keras.optimizers.SGD(), {"train_batch_size": 64, "gradient_accumulation_steps": 4})
+
+
+def test_compiled_model_trains_with_wrap_in_fit():
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    model = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(1)(hidden)))
+    model.compile(optimizer=kmp.wrap("adam", {"fp16": {"enabled": True, "initial_scale_power": 8}}), loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    history = model.fit(x, x[:, :1], batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert model.optimizer.iterations.numpy() == 12
