@@ -258,19 +258,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if _in_xla():
             return  # tf.print does not compile under XLA
 
-        def report():
-            tf.cond(
-                new.scale < old.scale,
-                lambda: tf.print(
-                    "kmp: gradient overflow, step skipped. Attempted loss scale:",
-                    old.scale, ", reducing to", new.scale, output_stream=sys.stderr,
-                ),
-                lambda: tf.print(
-                    "kmp: gradient overflow, step skipped. Loss scale stays", old.scale,
-                    "(hysteresis absorbed it;", new.hysteresis_left, "left)", output_stream=sys.stderr,
-                ),
-            )
+        def line(*parts):
+            def emit():
+                tf.print("kmp: gradient overflow, step skipped.", *parts, output_stream=sys.stderr)
+            return emit
 
+        if not self.loss_scale_config.dynamic:
+            report = line("Static loss scale", old.scale)
+        else:
+            def report():
+                tf.cond(
+                    new.scale < old.scale,
+                    line("Attempted loss scale:", old.scale, ", reducing to", new.scale),
+                    line("Loss scale stays", old.scale, "(hysteresis absorbed it;", new.hysteresis_left, "left)"),
+                )
         tf.cond(finite, lambda: None, report)
 
     def get_config(self):

@@ -2,9 +2,12 @@
 
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 
-float16 compute gets a configured `kmp.LossScaleOptimizer`; bfloat16 and
-float32 need no loss scaling and get the optimizer itself, with the config's
-clipping applied. Precision comes from, in order: `precision=`, the config's
+float16 compute gets a configured `kmp.LossScaleOptimizer`. bfloat16 and
+float32 need no loss scaling: on one device they get the optimizer itself,
+with the config's clipping applied; under a strategy with several replicas
+(call `wrap` inside `strategy.scope()`, as Keras requires for optimizers)
+they get kmp's optimizer with a static scale of 1, so that gradients are
+all-reduced before they are clipped and non-finite steps are skipped. Precision comes from, in order: `precision=`, the config's
 `fp16`/`bf16` block when one is enabled, the active global Keras policy.
 `wrap` never changes the global policy.
 """
@@ -16,6 +19,7 @@ import warnings
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from kmp.config import Config, LossScaleConfig
 from kmp.deepspeed import load_config
@@ -53,9 +57,14 @@ def wrap(optimizer, config=None, *, precision=None, **overrides):
             "in kmp's gradient-accumulation issue. Keras's own `gradient_accumulation_steps` "
             "fails under MirroredStrategy.",
         )], "kmp.wrap settings")
-    if not chosen.needs_loss_scaling:
-        return optimizer
-    return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
+    if chosen.needs_loss_scaling:
+        return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
+    if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        # Keras clips each replica's local gradient before its all-reduce.
+        # kmp's optimizer reduces first; a static scale of 1 is that pipeline
+        # without scaling (and it still skips non-finite steps).
+        return LossScaleOptimizer(optimizer, static_scale=1.0, **extra)
+    return optimizer
 
 
 def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:

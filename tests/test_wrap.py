@@ -109,3 +109,34 @@ def test_compiled_model_trains_with_wrap_in_fit():
     history = model.fit(x, x[:, :1], batch_size=16, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert model.optimizer.iterations.numpy() == 12
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_clipping_sees_the_all_reduced_gradient(two_replicas, policy):
+    """Local gradients 5 and 1, global_clipnorm 1: the weight moves by 1, not 2.
+
+    Keras 3.15 clips each replica's local gradient before the all-reduce
+    (each becomes 1, summed to 2).
+    """
+    import tensorflow as tf
+
+    keras.config.set_dtype_policy(policy)
+    with two_replicas.scope():
+        weight = keras.Variable(np.zeros(1, "float32"))
+        opt = kmp.wrap(keras.optimizers.SGD(1.0), {"gradient_clipping": 1.0}, log_overflows=False)
+        opt.build([weight])
+    assert isinstance(opt, LossScaleOptimizer)
+    scale = float(opt.dynamic_scale.numpy())
+
+    @tf.function
+    def step():
+        def fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            local = tf.where(rid == 0, 5.0, 1.0) * scale
+            opt.apply([tf.reshape(local, (1,))], [weight])
+
+        two_replicas.run(fn)
+
+    step()
+    for value in two_replicas.experimental_local_results(weight.value):
+        np.testing.assert_allclose(value.numpy(), [-1.0], rtol=1e-6)
