@@ -1,0 +1,72 @@
+"""Shared set-up for kmp's benchmarks: devices, the MLP of the issues, timing.
+
+Benchmarks report ratios measured side by side in one process: variants run
+in interleaved rounds, so drift on a shared machine hits all of them alike,
+and the median of the rounds is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+
+def use_two_logical_cpus() -> None:
+    """Split the CPU in two logical devices (before TF initializes)."""
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def mlp(depth: int = 40, width: int = 256, float32_output: bool = True):
+    """The issues' MLP: `depth` Dense(width) layers, a float32 regression head."""
+    import keras
+
+    inputs = keras.Input((width,))
+    x = inputs
+    for _ in range(depth):
+        x = keras.layers.Dense(width, activation="relu")(x)
+    x = keras.layers.Dense(1)(x)
+    if float32_output:
+        x = keras.layers.Activation("linear", dtype="float32")(x)
+    return keras.Model(inputs, x)
+
+
+def regression_data(batch: int, steps: int, width: int = 256, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch * steps, width)).astype("float32")
+    y = rng.normal(size=(batch * steps, 1)).astype("float32")
+    return x, y
+
+
+def fit_ms_per_step(model, x, y, batch: int) -> float:
+    """Wall milliseconds per step of one epoch of `fit` (already warmed up)."""
+    steps = len(x) // batch
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
+    """Runs each `name -> callable returning ms` once per round, in turn."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, measure in variants.items():
+            times[name].append(measure())
+    return times
+
+
+def report(title: str, times: dict[str, list[float]], baseline: str) -> None:
+    base = statistics.median(times[baseline])
+    print(f"\n{title}")
+    print(f"{'variant':44s} {'median ms/step':>15s} {'spread':>14s} {'ratio':>7s}")
+    for name, values in times.items():
+        median = statistics.median(values)
+        spread = f"{min(values):.1f}-{max(values):.1f}"
+        print(f"{name:44s} {median:15.1f} {spread:>14s} {median / base:7.2f}x")

@@ -1,0 +1,79 @@
+"""P1 and P2: training-step time of kmp vs stock Keras, side by side.
+
+P1 (target <= 0.30x): the issues' MLP (40 x Dense(256), batch 64, Adam) in
+mixed_float16 under MirroredStrategy on two logical CPU devices: `fit()` with
+kmp vs `fit()` with Keras's own LossScaleOptimizer. Reference rows: float32
+under the strategy, and one device.
+
+P2 (target <= 1.05x): kmp's dynamic loss scaling vs a static scale, on the
+same step, on one device and under the strategy.
+
+    python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
+
+Run it on a quiet machine: it reports medians of interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import fit_ms_per_step, interleaved, mlp, regression_data, report, use_two_logical_cpus
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+
+    use_two_logical_cpus()
+    import keras
+    import tensorflow as tf
+
+    import kmp
+
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    default = tf.distribute.get_strategy()
+    x, y = regression_data(args.batch, args.steps)
+
+    def compiled(strategy, policy, make_optimizer):
+        keras.config.set_dtype_policy(policy)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = mlp()
+            model.compile(optimizer=make_optimizer(), loss="mse")
+        model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)  # trace
+        keras.config.set_dtype_policy("float32")
+        return lambda: fit_ms_per_step(model, x, y, args.batch)
+
+    adam = lambda: keras.optimizers.Adam(1e-4)
+    keras_lso = lambda: keras.optimizers.LossScaleOptimizer(adam())
+    kmp_dynamic = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False)
+    kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
+
+    p1 = {
+        "Mirrored, mixed_float16, Keras LSO (stock)": compiled(mirrored, "mixed_float16", keras_lso),
+        "Mirrored, mixed_float16, kmp": compiled(mirrored, "mixed_float16", kmp_dynamic),
+        "Mirrored, float32, Keras Adam (stock)": compiled(mirrored, "float32", adam),
+        "one device, mixed_float16, Keras LSO": compiled(default, "mixed_float16", keras_lso),
+        "one device, mixed_float16, kmp": compiled(default, "mixed_float16", kmp_dynamic),
+    }
+    report("P1: step time (target: kmp <= 0.30x stock under Mirrored)",
+           interleaved(p1, args.rounds), baseline="Mirrored, mixed_float16, Keras LSO (stock)")
+
+    p2 = {
+        "one device, kmp static scale": compiled(default, "mixed_float16", kmp_static),
+        "one device, kmp dynamic scale": compiled(default, "mixed_float16", kmp_dynamic),
+        "Mirrored, kmp static scale": compiled(mirrored, "mixed_float16", kmp_static),
+        "Mirrored, kmp dynamic scale": compiled(mirrored, "mixed_float16", kmp_dynamic),
+    }
+    times = interleaved(p2, args.rounds)
+    report("P2: dynamic vs static scale, one device (target <= 1.05x)",
+           {k: v for k, v in times.items() if k.startswith("one")}, baseline="one device, kmp static scale")
+    report("P2: dynamic vs static scale, Mirrored (target <= 1.05x)",
+           {k: v for k, v in times.items() if k.startswith("Mirrored")}, baseline="Mirrored, kmp static scale")
+
+
+if __name__ == "__main__":
+    main()
