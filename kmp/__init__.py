@@ -4,6 +4,7 @@
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 """
 
+from kmp import callbacks
 from kmp.config import Config, LossScaleConfig
 from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.errors import ConfigError, KmpError, LossScaleError
@@ -30,6 +31,7 @@ __all__ = [
     "LossScaleError",
     "LossScaleOptimizer",
     "Precision",
+    "callbacks",
     "check_hardware",
     "float32_output",
     "load_config",

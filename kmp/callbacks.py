@@ -23,11 +23,19 @@ logs than `model.metrics` has, Keras takes the epoch logs from the last step's
 logs instead of asking the metrics again; on TensorFlow these are the same
 values (a train step returns `get_metrics_result()`).
 
+Keras's `TensorBoard` callback needs the `tensorboard` package for its
+scalars, which TensorFlow 2.21 no longer installs.
+
 Cost: after each execution of the training function the monitor takes device
-snapshots of the scalars; Keras copies them to the host with the loss, in the
-conversion it already makes after every batch (synchronously on TensorFlow).
-The monitor copies state to the host itself (one stacked read) only on
-executions where the floor check below could fire, and at `on_train_begin`.
+snapshots of the scalars (no host copy); Keras copies them to the host with
+the loss, in the conversion it already does after every batch (synchronously:
+on TensorFlow Keras dispatches no callback asynchronously). The monitor copies
+state to the host itself, in one stacked copy, only after executions that
+could hold a stuck step: those that start fewer than `steps_per_execution`
+overflows away from the floor, counted from the last state it read
+(`steps_clear_of_floor`). Far from the floor that is almost never; at the
+floor it is after every execution, and Keras then gets Python numbers and
+copies nothing more.
 
 The floor check (kmp's optimizer with a dynamic scale and
 `raise_at_min_scale=True`)
@@ -65,6 +73,8 @@ from kmp import loss_scale
 from kmp.config import LossScaleConfig
 from kmp.errors import LossScaleError
 
+__all__ = ["LossScaleMonitor"]
+
 # Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
 _LOGGED = {
     "loss_scale": "dynamic_scale",
@@ -72,8 +82,8 @@ _LOGGED = {
     "overflows": "overflows",
     "skipped_steps": "skipped_steps",
 }
-# What the floor check reads besides the logged values.
-_CHECKED = {"good_steps": "good_steps", "iterations": "iterations"}
+# Everything the floor check reads (kmp's optimizer only).
+_CHECKED = _LOGGED | {"good_steps": "good_steps", "iterations": "iterations"}
 
 
 class WindowState(NamedTuple):
@@ -145,7 +155,9 @@ class _Probe:
     """Reads one LossScaleOptimizer's state after each execution of the step.
 
     `known` is the host state at the start of the next execution, or of an
-    earlier one when `unchecked_steps` steps have run since without a read.
+    earlier one when `unchecked_steps` steps have run since without a read;
+    then `before` holds a device snapshot of the next execution's start, taken
+    only when that execution could be stuck.
     """
 
     def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int):
@@ -154,68 +166,77 @@ class _Probe:
         self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
         self.steps_per_execution = steps_per_execution
         self.unchecked_steps = 0
-        self.before = None  # device snapshot at the start of the next execution
+        self.before = None
         self.known = self._initial_state() if self.config is not None else None
 
-    def _variables(self, names: dict[str, str]) -> dict:
-        found = {key: getattr(self.optimizer, attr, None) for key, attr in names.items()}
-        return {key: v for key, v in found.items() if v is not None}
-
     def _snapshot(self, names: dict[str, str]) -> dict:
-        return {key: tf.convert_to_tensor(v) for key, v in self._variables(names).items()}
-
-    def _initial_state(self) -> WindowState:
-        if not self.optimizer.built:  # built inside the first step (TensorFlow without a strategy)
-            start = loss_scale.initial_state(self.config)
-            iterations = int(to_host([tf.convert_to_tensor(self.optimizer.iterations)])[0])
-            return WindowState(start.scale, start.hysteresis_left, 0, 0, iterations)
-        return self._state(to_host(list(self._snapshot(_LOGGED | _CHECKED).values())), _LOGGED | _CHECKED)
+        """Device copies of the variables that exist (all of them once built)."""
+        found = {key: getattr(self.optimizer, attr, None) for key, attr in names.items()}
+        return {key: tf.convert_to_tensor(v) for key, v in found.items() if v is not None}
 
     @staticmethod
-    def _state(values: list[float], names: dict[str, str]) -> WindowState:
-        v = dict(zip(names, values))
+    def _to_host(*snapshots: dict) -> list[dict[str, float]]:
+        """Full snapshots (all of `_CHECKED`) as Python numbers, in one copy."""
+        host = to_host([snapshot[key] for snapshot in snapshots for key in _CHECKED])
+        n = len(_CHECKED)
+        return [dict(zip(_CHECKED, host[i:i + n])) for i in range(0, len(host), n)]
+
+    @staticmethod
+    def _window_state(v: dict[str, float]) -> WindowState:
         return WindowState(
             v["loss_scale"], int(v["hysteresis_left"]), int(v["good_steps"]), int(v["overflows"]), int(v["iterations"])
         )
+
+    def _initial_state(self) -> WindowState:
+        if self.optimizer.built:
+            return self._window_state(self._to_host(self._snapshot(_CHECKED))[0])
+        # Built inside the first step (TensorFlow without a distribution strategy).
+        start = loss_scale.initial_state(self.config)
+        iterations = int(to_host([tf.convert_to_tensor(self.optimizer.iterations)])[0])
+        return WindowState(start.scale, start.hysteresis_left, 0, 0, iterations)
 
     def _may_be_stuck(self) -> bool:
         """Whether the next execution could hold a stuck step."""
         margin = steps_clear_of_floor(self.config, self.known.scale, self.known.hysteresis_left)
         return self.unchecked_steps + self.steps_per_execution > margin
 
-    def add_state(self, logs: dict) -> dict:
-        """`logs` with the state after the execution that produced them."""
-        snapshot = self._snapshot(_LOGGED)
-        if "loss_scale" not in snapshot:  # not built: nothing ran
+    def add_state(self, logs):
+        """`logs` with the state after the execution that produced them.
+
+        Logs that are not a dict (a custom `train_step`) are returned as they
+        are; the floor check still runs.
+        """
+        values = self._snapshot(_LOGGED)
+        if "loss_scale" not in values:  # not built: no step ran
             return logs
-        values = snapshot
         if self.config is not None:
             if self._may_be_stuck():
-                values = self._check(snapshot)
+                values = self._check(values)
             else:
                 self.unchecked_steps += self.steps_per_execution
             if self.unchecked_steps and self._may_be_stuck():
-                # The next execution needs its starting state; `known` is older.
-                self.before = self._snapshot(_LOGGED | _CHECKED)
+                self.before = self._snapshot(_CHECKED)
+        if not isinstance(logs, dict):
+            return logs
         logs = dict(logs)
         for key, value in values.items():
             logs.setdefault(key, value)  # a user metric of the same name wins
         return logs
 
-    def _check(self, snapshot: dict) -> dict:
-        """Reads the state after this execution; raises if it was stuck."""
-        names = _LOGGED | _CHECKED
-        after = snapshot | self._snapshot(_CHECKED)
-        tensors = [after[k] for k in names]
+    def _check(self, logged: dict) -> dict[str, float]:
+        """Reads the state after this execution, raises if it was stuck, and
+        returns the logged values as Python numbers (Keras then copies nothing)."""
+        after = logged | self._snapshot({k: v for k, v in _CHECKED.items() if k not in _LOGGED})
         if self.unchecked_steps:
-            tensors += [self.before[k] for k in names]
-        host = to_host(tensors)
-        after_state = self._state(host[: len(names)], names)
-        before_state = self._state(host[len(names):], names) if self.unchecked_steps else self.known
-        if stuck_in_window(self.config, before_state, after_state):
-            raise LossScaleError(loss_scale.floor_message(before_state.scale, self.config))
-        self.known, self.unchecked_steps, self.before = after_state, 0, None
-        return {key: value for key, value in zip(names, host) if key in _LOGGED and key in snapshot}
+            after_values, before_values = self._to_host(after, self.before)
+            before = self._window_state(before_values)
+        else:
+            (after_values,), before = self._to_host(after), self.known
+        self.known = self._window_state(after_values)
+        if stuck_in_window(self.config, before, self.known):
+            raise LossScaleError(loss_scale.floor_message(before.scale, self.config))
+        self.unchecked_steps, self.before = 0, None
+        return {key: after_values[key] for key in _LOGGED}
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -251,8 +272,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
         def train_function_with_loss_scale(iterator):
             try:
-                logs = original(iterator)
-                return probe.add_state(logs) if isinstance(logs, dict) else logs
+                return probe.add_state(original(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of the data, not a failure
             except BaseException:

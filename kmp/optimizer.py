@@ -268,9 +268,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             def report():
                 tf.cond(
-                    new.scale < old.scale,
-                    line("Attempted loss scale:", old.scale, ", reducing to", new.scale),
+                    old.hysteresis_left > 1,
                     line("Loss scale stays", old.scale, "(hysteresis absorbed it;", new.hysteresis_left, "left)"),
+                    lambda: tf.cond(
+                        new.scale < old.scale,
+                        line("Attempted loss scale:", old.scale, ", reducing to", new.scale),
+                        line("Loss scale stays at its minimum", old.scale),
+                    ),
                 )
         tf.cond(finite, lambda: None, report)
 

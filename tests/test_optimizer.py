@@ -177,6 +177,16 @@ def test_overflow_log_line(capfd):
     assert err.count("kmp:") == 2  # nothing on the clean step
 
 
+def test_overflow_log_line_at_the_floor(capfd):
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0, raise_at_min_scale=False)
+    v = [keras.Variable(np.ones(1, "float32"))]
+    for _ in range(2):
+        opt.apply([tf.constant([INF])], v)
+    err = capfd.readouterr().err
+    assert "reducing to 1" in err and "Loss scale stays at its minimum 1" in err
+    assert "absorbed" not in err
+
+
 def test_config_round_trip_keeps_every_setting():
     settings = LossScaleConfig(
         initial_scale=2.0**12, dynamic_growth_steps=7, hysteresis=3, consecutive_hysteresis=True,
