@@ -71,9 +71,9 @@ import tensorflow as tf
 
 from kmp import loss_scale
 from kmp.config import LossScaleConfig
-from kmp.errors import LossScaleError
+from kmp.errors import LossScaleError, Problem, check
 
-__all__ = ["LossScaleMonitor"]
+__all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
 
 # Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
 _LOGGED = {
@@ -306,3 +306,63 @@ class LossScaleMonitor(keras.callbacks.Callback):
             "bfloat16 need no loss scaling and no monitor.",
             stacklevel=2,
         )
+
+
+class GradientAccumulationScheduler(keras.callbacks.Callback):
+    """Changes the number of micro-batches per optimizer step by epoch.
+
+        kmp.callbacks.GradientAccumulationScheduler({0: 8, 4: 4}, batch_size=32)
+
+    Epochs 0-3 accumulate 8 micro-batches, epoch 4 on 4 (Lightning's
+    `GradientAccumulationScheduler` spelling; epochs before the first key use
+    1). The optimizer must be a `kmp.LossScaleOptimizer` built with
+    `gradient_accumulation_steps` (any value: the schedule overrides it), as
+    `kmp.wrap(..., gradient_accumulation_steps=1)` gives. A window still open
+    when the number changes closes once it holds the new number.
+
+    Adds `accumulation_steps` and, when `batch_size` (the `fit()` batch size)
+    is given, `effective_batch_size` (= batch_size x steps) to each epoch's
+    logs: History and the progress bar see them, as do callbacks listed after
+    this one.
+    """
+
+    def __init__(self, schedule: dict[int, int], batch_size: int | None = None):
+        super().__init__()
+        problems = []
+        if not isinstance(schedule, dict) or not schedule:
+            problems.append(Problem("schedule", "a non-empty dict {epoch: micro-batches per step}", schedule))
+        else:
+            for epoch, steps in schedule.items():
+                if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+                    problems.append(Problem(f"schedule[{epoch!r}]", "an epoch number >= 0 as key", epoch))
+                if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+                    problems.append(Problem(f"schedule[{epoch!r}]", "an integer >= 1", steps))
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            problems.append(Problem("batch_size", "None or the fit() batch size (an integer >= 1)", batch_size))
+        check(problems, "GradientAccumulationScheduler arguments")
+        self.schedule = dict(sorted(schedule.items()))
+        self.batch_size = batch_size
+
+    def steps_for(self, epoch: int) -> int:
+        earlier = [steps for start, steps in self.schedule.items() if start <= epoch]
+        return earlier[-1] if earlier else 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        if getattr(optimizer, "accumulation_steps", None) is None:
+            check([Problem(
+                "model.optimizer", "a kmp.LossScaleOptimizer built with gradient_accumulation_steps",
+                type(optimizer).__name__,
+                "Compile with kmp.wrap(optimizer, gradient_accumulation_steps=1) (or any value).",
+            )], "GradientAccumulationScheduler")
+        optimizer.accumulation_steps.assign(self.steps_for(epoch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        steps = self.steps_for(epoch)
+        logs["accumulation_steps"] = steps
+        if self.batch_size is not None:
+            logs["effective_batch_size"] = self.batch_size * steps

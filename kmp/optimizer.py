@@ -132,12 +132,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         growth_factor=2.0,
         backoff_factor=0.5,
         log_overflows=True,
+        gradient_accumulation_steps=None,
         name=None,
         **kwargs,
     ):
         problems = _inner_problems(inner_optimizer)
         if not isinstance(log_overflows, bool):
             problems.append(Problem("log_overflows", "true or false", log_overflows))
+        if gradient_accumulation_steps is not None and (
+            not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool)
+            or gradient_accumulation_steps < 1
+        ):
+            problems.append(Problem("gradient_accumulation_steps", "None or an integer >= 1", gradient_accumulation_steps))
         config = LossScaleConfig(
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
@@ -163,6 +169,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self.loss_scale_config = config
         self.log_overflows = log_overflows
+        # Not Keras's `gradient_accumulation_steps` attribute, which the base
+        # class reads to accumulate by itself (and must stay None).
+        self._accumulation = gradient_accumulation_steps
         _hand_over_reduction(self.inner_optimizer)
 
     @classmethod
@@ -184,18 +193,66 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 name=field,
             )
             setattr(self, field, variable)
+        if self._accumulation is not None:
+            self._build_accumulation(var_list)
 
-    def apply(self, grads, trainable_variables=None):
+    def _build_accumulation(self, var_list):
+        if any(self._overwrite_variable_with_gradient(v) for v in var_list):
+            check([Problem(
+                "gradient_accumulation_steps", "None for models with overwrite_with_gradient variables (float8)",
+                self._accumulation,
+            )], "kmp.LossScaleOptimizer arguments")
+        make = lambda name, dtype, value: self.add_variable(
+            shape=(), dtype=dtype, initializer=keras.initializers.Constant(value), aggregation="none", name=name
+        )
+        self.accumulation_steps = make("accumulation_steps", "int", self._accumulation)
+        self.micro_steps = make("micro_steps", "int", 0)
+        self.accumulated_weight = make("accumulated_weight", "float32", 0.0)
+        # float32 whatever the variable's dtype; local to each replica.
+        self._accumulators = [
+            self.add_variable(shape=v.shape, dtype="float32", aggregation="none", name="accumulator")
+            for v in var_list
+        ]
+
+    def apply(self, grads, trainable_variables=None, *, micro_batch_weight=None):
+        """One (micro-)step. `micro_batch_weight` (e.g. a token count) makes
+        the gradient the weighted mean: sum(grads) / sum(weights) over the
+        micro-batches of the window and every replica; the loss whose
+        gradients are passed is then a sum over the micro-batch, not a mean.
+        """
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
-        grads = all_reduce_sum(list(grads))
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        scale = self.dynamic_scale.value
+        # Every micro-batch of a window is scaled by the same scale: it only
+        # changes when a window closes.
+        grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
+        weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
+        if self._accumulation is None:
+            self._effective_step(grads, trainable_variables, None, weight)
+        elif tf.__internal__.distribute.strategy_supports_no_merge_call():
+            self._micro_step(grads, trainable_variables, weight)
+        else:
+            tf.distribute.get_replica_context().merge_call(
+                self._merged_micro_step, args=(grads, trainable_variables, weight)
+            )
+
+    def _effective_step(self, grads, trainable_variables, count, weight):
+        """All-reduce once, check, apply if finite, move the scale (replica context)."""
+        if weight is None:
+            grads = all_reduce_sum(grads)
+            if count is not None:
+                grads = [g / count for g in grads]
+        else:
+            *grads, total = all_reduce_sum(grads + [weight])
+            grads = [g / total for g in grads]
         finite = all_finite(grads)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            ops.cond(finite, lambda: self._apply_unscaled(grads, trainable_variables), lambda: None)
+            ops.cond(finite, lambda: self.inner_optimizer.apply(grads, trainable_variables), lambda: None)
             self._adjust(finite)
         else:
             # A cond whose branch calls merge_call (as the inner update does)
@@ -209,19 +266,54 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finite = strategy.experimental_local_results(finite)[0]
 
         def apply_on_replicas():
-            strategy.extended.call_for_each_replica(self._apply_unscaled, args=(grads, trainable_variables))
+            strategy.extended.call_for_each_replica(self.inner_optimizer.apply, args=(grads, trainable_variables))
 
         ops.cond(finite, apply_on_replicas, lambda: None)
         self._adjust(finite)
 
-    def _apply_unscaled(self, grads, trainable_variables):
-        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        scale = self.dynamic_scale.value
-        unscaled = [
-            g if self._overwrite_variable_with_gradient(v) else unscale(g, scale)
-            for g, v in zip(grads, variables)
-        ]
-        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+    # Gradient accumulation: a window of micro-steps, one effective step.
+
+    def _window_closes(self):
+        return self.micro_steps.value + 1 >= self.accumulation_steps.value
+
+    def _micro_step(self, grads, trainable_variables, weight):
+        ops.cond(
+            self._window_closes(),
+            lambda: self._close_window(grads, trainable_variables, weight),
+            lambda: self._accumulate(grads, weight),
+        )
+
+    def _merged_micro_step(self, strategy, grads, trainable_variables, weight):
+        # The window is the same on every replica; the collective inside the
+        # closing branch is built in cross-replica context (Keras's own
+        # accumulation builds it in a replica-context cond and crashes).
+        run = strategy.extended.call_for_each_replica
+        ops.cond(
+            self._window_closes(),
+            lambda: run(self._close_window, args=(grads, trainable_variables, weight)),
+            lambda: run(self._accumulate, args=(grads, weight)),
+        )
+
+    def _accumulate(self, grads, weight):
+        """Adds this replica's micro-batch locally: no communication."""
+        for accumulator, g in zip(self._accumulators, grads):
+            accumulator.assign_add(tf.convert_to_tensor(g))
+        if weight is not None:
+            self.accumulated_weight.assign_add(weight)
+        self.micro_steps.assign_add(1)
+
+    def _close_window(self, grads, trainable_variables, weight):
+        totals = [a.value + tf.convert_to_tensor(g) for a, g in zip(self._accumulators, grads)]
+        count = tf.cast(self.micro_steps.value + 1, tf.float32)
+        if weight is not None:
+            weight = self.accumulated_weight.value + weight
+            self.accumulated_weight.assign(0.0)
+        # Cleared whether or not the step is applied: an overflow in any
+        # micro-batch skips the whole window.
+        for accumulator in self._accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+        self.micro_steps.assign(0)
+        self._effective_step(totals, trainable_variables, count, weight)
 
     def _adjust(self, finite):
         """Moves the loss-scale state one step (see kmp.loss_scale.adjust)."""
@@ -282,6 +374,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = super().get_config()
         config.update(dataclasses.asdict(self.loss_scale_config))
         config["log_overflows"] = self.log_overflows
+        config["gradient_accumulation_steps"] = self._accumulation
         return config
 
 
@@ -295,5 +388,11 @@ def _inner_problems(inner) -> list[Problem]:
         return [Problem(
             "inner_optimizer", "a keras.optimizers.Optimizer instance", inner,
             "Create one first, e.g. keras.optimizers.AdamW(1e-3), or use kmp.wrap('adamw').",
+        )]
+    if inner.gradient_accumulation_steps:
+        return [Problem(
+            "inner_optimizer.gradient_accumulation_steps", "None", inner.gradient_accumulation_steps,
+            "Pass gradient_accumulation_steps to kmp.LossScaleOptimizer (or kmp.wrap) instead: "
+            "Keras's own accumulation fails under tf.distribute and checks overflows per micro-batch.",
         )]
     return []

@@ -3,13 +3,16 @@
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 
 float16 compute gets a configured `kmp.LossScaleOptimizer`. bfloat16 and
-float32 need no loss scaling: on one device they get the optimizer itself,
-with the config's clipping applied; under a strategy with several replicas
-(call `wrap` inside `strategy.scope()`, as Keras requires for optimizers)
-they get kmp's optimizer with a static scale of 1, so that gradients are
-all-reduced before they are clipped and non-finite steps are skipped. Precision comes from, in order: `precision=`, the config's
-`fp16`/`bf16` block when one is enabled, the active global Keras policy.
-`wrap` never changes the global policy.
+float32 need no loss scaling: on one device without accumulation they get the
+optimizer itself, with the config's clipping applied. Under a strategy with
+several replicas (call `wrap` inside `strategy.scope()`, as Keras requires
+for optimizers), or with gradient accumulation, they get kmp's optimizer
+with a static scale of 1, so that gradients are all-reduced once before they
+are clipped, and non-finite steps are skipped.
+
+Precision comes from, in order: `precision=`, the config's `fp16`/`bf16`
+block when one is enabled, the active global Keras policy. `wrap` never
+changes the global policy.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import keras
 import tensorflow as tf
 
 from kmp.config import Config, LossScaleConfig
-from kmp.deepspeed import load_config
+from kmp.deepspeed import load_config, resolve_batch_sizes
 from kmp.errors import Problem, check, did_you_mean
 from kmp.optimizer import LossScaleOptimizer
 from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
-_TOP_FIELDS = ("gradient_clipping",)
+_TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps")
 _OPTIMIZER_FIELDS = ("log_overflows",)
 
 
@@ -42,35 +45,49 @@ def wrap(optimizer, config=None, *, precision=None, **overrides):
         precision: any spelling `kmp.resolve_precision` accepts; overrides
             the config and the global policy for this optimizer only.
         **overrides: loss-scale settings (`hysteresis=2`, `min_scale=...`,
-            any `kmp.LossScaleOptimizer` argument), `gradient_clipping`.
+            any `kmp.LossScaleOptimizer` argument), `gradient_clipping`,
+            `gradient_accumulation_steps`.
+
+    Batch sizes in the config (`train_batch_size`,
+    `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`) are
+    completed and checked as DeepSpeed does, with the strategy's replicas as
+    its world size; more than one micro-batch per step turns on kmp's
+    accumulation. Feed `fit()` the micro-batch: `batch_size = micro * replicas`.
     """
     settings = config if isinstance(config, Config) else (Config() if config is None else load_config(config))
     settings, extra = _with_overrides(settings, overrides)
     optimizer = _as_optimizer(optimizer)
     chosen = _choose_precision(precision, settings)
     _apply_clipping(optimizer, settings.gradient_clipping)
-    if (settings.gradient_accumulation_steps or 1) > 1:
-        check([Problem(
-            "gradient_accumulation_steps", "1 (kmp.wrap does not accumulate gradients yet)",
-            settings.gradient_accumulation_steps,
-            "Leave it out for now; accumulation that is correct under tf.distribute is tracked "
-            "in kmp's gradient-accumulation issue. Keras's own `gradient_accumulation_steps` "
-            "fails under MirroredStrategy.",
-        )], "kmp.wrap settings")
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    steps = _accumulation_steps(settings, replicas)
+    if steps is not None:
+        extra["gradient_accumulation_steps"] = steps
     if chosen.needs_loss_scaling:
         return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
-    if tf.distribute.get_strategy().num_replicas_in_sync > 1:
-        # Keras clips each replica's local gradient before its all-reduce.
-        # kmp's optimizer reduces first; a static scale of 1 is that pipeline
-        # without scaling (and it still skips non-finite steps).
+    if replicas > 1 or steps is not None:
+        # Keras clips each replica's local gradient before its all-reduce, and
+        # its own accumulation fails under tf.distribute. kmp's optimizer does
+        # both right; a static scale of 1 is that pipeline without scaling
+        # (and it still skips non-finite steps).
         return LossScaleOptimizer(optimizer, static_scale=1.0, **extra)
     return optimizer
+
+
+def _accumulation_steps(settings: Config, replicas: int) -> int | None:
+    """Micro-batches per optimizer step, inferred as DeepSpeed does when batch sizes are given."""
+    steps = settings.gradient_accumulation_steps
+    if settings.train_batch_size is not None or settings.micro_batch_size is not None:
+        _, _, steps = resolve_batch_sizes(settings, world_size=replicas)
+    if steps == 1 and settings.gradient_accumulation_steps is None:
+        return None  # inferred 1: no accumulation machinery
+    return steps
 
 
 def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
     known = _SCALE_FIELDS + _TOP_FIELDS + _OPTIMIZER_FIELDS
     problems = [
-        Problem(name, "a loss-scale setting or gradient_clipping", value, did_you_mean(name, known))
+        Problem(name, f"one of {', '.join(known)}", value, did_you_mean(name, known))
         for name, value in overrides.items()
         if name not in known
     ]

@@ -93,9 +93,30 @@ def test_clipping_in_two_places_is_an_error():
         kmp.wrap(keras.optimizers.SGD(clipnorm=1.0), {"gradient_clipping": 0.5})
 
 
-def test_accumulation_is_refused_clearly_until_supported():
-    with pytest.raises(kmp.ConfigError, match="gradient_accumulation_steps"):
-        kmp.wrap(keras.optimizers.SGD(), {"train_batch_size": 64, "gradient_accumulation_steps": 4})
+@pytest.mark.parametrize("policy, static", [("mixed_float16", None), ("float32", 1.0)])
+def test_accumulation_from_deepspeed_batch_sizes(policy, static):
+    keras.config.set_dtype_policy(policy)
+    opt = kmp.wrap(keras.optimizers.SGD(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16})
+    assert isinstance(opt, LossScaleOptimizer)
+    assert opt.get_config()["gradient_accumulation_steps"] == 4
+    assert opt.loss_scale_config.static_scale == static
+
+
+def test_accumulation_batch_sizes_are_checked_with_the_replica_count(two_replicas):
+    with two_replicas.scope():
+        opt = kmp.wrap(keras.optimizers.SGD(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8},
+                       precision="float32")
+        assert opt.get_config()["gradient_accumulation_steps"] == 4  # 64 = 8 x 4 x 2 replicas
+        with pytest.raises(kmp.ConfigError, match="train_batch_size is not equal to"):
+            kmp.wrap(keras.optimizers.SGD(), {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+                                              "gradient_accumulation_steps": 8})
+
+
+def test_no_accumulation_machinery_when_one_micro_batch():
+    keras.config.set_dtype_policy("float32")
+    inner = keras.optimizers.SGD()
+    assert kmp.wrap(inner, {"train_batch_size": 32}) is inner
+    assert kmp.wrap(keras.optimizers.SGD(), gradient_accumulation_steps=1).get_config()["gradient_accumulation_steps"] == 1
 
 
 def test_compiled_model_trains_with_wrap_in_fit():

@@ -1,0 +1,158 @@
+"""Gradient accumulation in kmp.LossScaleOptimizer.
+
+N micro-batches of size b end where one batch of N*b ends; one all-reduce
+and one loss-scale decision per window; everything that ticks per optimizer
+step (iterations, schedule, weight decay, EMA) ticks once per window.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import optimizer as kmp_optimizer
+from kmp.callbacks import GradientAccumulationScheduler
+from kmp.optimizer import LossScaleOptimizer
+
+INF = np.float32(np.inf)
+X = np.random.default_rng(0).normal(size=(96, 6)).astype("float32")
+Y = (X @ np.linspace(-1, 1, 6).astype("float32"))[:, None]
+
+
+def _train(strategy, policy, make_inner, batch, steps, epochs=2, **kwargs):
+    keras.config.set_dtype_policy(policy)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(1)(hidden)))
+        opt = LossScaleOptimizer(make_inner(), gradient_accumulation_steps=steps, log_overflows=False, **kwargs)
+        model.compile(optimizer=opt, loss="mse")
+    model.fit(X, Y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False)
+    return model, opt
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("policy, atol", [("float32", 1e-6), ("mixed_float16", 2e-3)])
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_micro_batches_equal_one_big_batch(two_replicas, distributed, policy, atol, inner):
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    make = lambda: keras.optimizers.get({"class_name": inner, "config": {"learning_rate": 0.05}})
+    scale = dict(static_scale=1.0) if policy == "float32" else dict(initial_scale=2.0**8)
+    small, small_opt = _train(strategy, policy, make, batch=8, steps=4, **scale)
+    big, big_opt = _train(tf.distribute.get_strategy(), policy, make, batch=32, steps=None, **scale)
+    assert int(small_opt.iterations.numpy()) == int(big_opt.iterations.numpy()) == 6
+    for a, b in zip(small.get_weights(), big.get_weights()):
+        np.testing.assert_allclose(a, b, atol=atol)
+
+
+def test_an_overflow_in_any_micro_batch_skips_the_window_and_clears_it():
+    v = [keras.Variable(np.ones(2, "float32"))]
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0, gradient_accumulation_steps=3,
+                             log_overflows=False)
+    for g in ([4.0, 4.0], [INF, 4.0], [4.0, 4.0]):
+        opt.apply([tf.constant(g)], v)
+    np.testing.assert_array_equal(v[0].numpy(), [1.0, 1.0])
+    assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 1
+    assert float(opt.dynamic_scale.numpy()) == 2.0  # one decision for the window
+    np.testing.assert_array_equal(opt._accumulators[0].numpy(), [0.0, 0.0])
+    for g in ([2.0, 2.0], [4.0, 4.0], [6.0, 6.0]):  # scaled by 2: unscaled mean is 2
+        opt.apply([tf.constant(g)], v)
+    np.testing.assert_array_equal(v[0].numpy(), [-1.0, -1.0])
+    assert int(opt.iterations.numpy()) == 1
+
+
+def test_schedule_weight_decay_and_ema_tick_once_per_window():
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.01])
+
+    def run(steps, grads):
+        inner = keras.optimizers.AdamW(schedule, weight_decay=0.1, use_ema=True, ema_momentum=0.5)
+        v = [keras.Variable(np.ones(3, "float32"))]
+        opt = LossScaleOptimizer(inner, static_scale=1.0, gradient_accumulation_steps=steps)
+        for g in grads:
+            opt.apply([tf.constant(g)], v)
+        return v[0].numpy(), inner._model_variables_moving_average[0].numpy(), int(opt.iterations.numpy())
+
+    micro = [np.full(3, x, "float32") for x in (1.0, 3.0, -2.0, 6.0)]
+    accumulated = run(2, micro)
+    big = run(None, [(micro[0] + micro[1]) / 2, (micro[2] + micro[3]) / 2])
+    assert accumulated[2] == big[2] == 2
+    np.testing.assert_allclose(accumulated[0], big[0], rtol=1e-6)
+    np.testing.assert_allclose(accumulated[1], big[1], rtol=1e-6)
+
+
+def test_one_all_reduce_per_window_under_mirrored(two_replicas, monkeypatch):
+    with two_replicas.scope():
+        calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
+    original = kmp_optimizer.all_reduce_sum
+
+    def counting(grads):
+        calls.assign_add(1)  # replica context: each replica counts its own calls
+        return original(grads)
+
+    monkeypatch.setattr(kmp_optimizer, "all_reduce_sum", counting)
+    _, opt = _train(two_replicas, "float32", lambda: keras.optimizers.SGD(0.01), batch=8, steps=4,
+                    static_scale=1.0)
+    micro_steps = 2 * len(X) // 8
+    assert [int(c.numpy()) for c in two_replicas.experimental_local_results(calls)] == [micro_steps // 4] * 2
+    assert int(opt.iterations.numpy()) == micro_steps // 4
+
+
+def test_token_weighted_mean_across_micro_batches():
+    """Micro-batches of 1 and 3 tokens: the step uses sum(grads) / 4 tokens."""
+    v = [keras.Variable(np.zeros(1, "float32"))]
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), static_scale=1.0, gradient_accumulation_steps=2)
+    # Sum-reduced losses: per-token gradients 8 (one token) and 2, 2, 2 (three).
+    opt.apply([tf.constant([8.0])], v, micro_batch_weight=1)
+    opt.apply([tf.constant([6.0])], v, micro_batch_weight=3)
+    np.testing.assert_allclose(v[0].numpy(), [-(8.0 + 6.0) / 4])
+
+
+def test_scheduler_changes_the_window_by_epoch():
+    sched = GradientAccumulationScheduler({0: 1, 1: 3}, batch_size=8)
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    opt = kmp.wrap(keras.optimizers.SGD(0.01), gradient_accumulation_steps=1)
+    model.compile(optimizer=opt, loss="mse")
+    history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False, callbacks=[sched])
+    assert int(opt.iterations.numpy()) == 12 + 4
+    assert history.history["accumulation_steps"] == [1, 3]
+    assert history.history["effective_batch_size"] == [8, 24]
+
+
+def test_scheduler_rejects_bad_schedules_and_optimizers():
+    with pytest.raises(kmp.ConfigError) as info:
+        GradientAccumulationScheduler({-1: 2, 3: 0})
+    assert len(info.value.problems) == 2
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(kmp.ConfigError, match="gradient_accumulation_steps=1"):
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[GradientAccumulationScheduler({0: 2})])
+
+
+def test_inner_optimizer_must_not_accumulate_itself():
+    with pytest.raises(kmp.ConfigError, match="inner_optimizer.gradient_accumulation_steps"):
+        LossScaleOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
+
+
+def test_accumulators_round_trip_in_checkpoints(tmp_path):
+    v = [keras.Variable(np.ones(2, "float32"))]
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), static_scale=1.0, gradient_accumulation_steps=3)
+    opt.apply([tf.constant([1.0, 2.0])], v)
+    prefix = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+    opt.apply([tf.constant([5.0, 5.0])], v)
+    tf.train.Checkpoint(optimizer=opt).restore(prefix)
+    np.testing.assert_array_equal(opt._accumulators[0].numpy(), [1.0, 2.0])
+    assert int(opt.micro_steps.numpy()) == 1
+    assert LossScaleOptimizer.from_config(opt.get_config()).get_config()["gradient_accumulation_steps"] == 3
+
+
+def test_keras_own_accumulation_still_fails_under_mirrored(two_replicas):
+    """keras-team/keras#20582: if this starts passing, Keras fixed it."""
+    with two_replicas.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse")
+    with pytest.raises(RuntimeError, match="merge_call"):
+        model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
