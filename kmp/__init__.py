@@ -4,8 +4,9 @@
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 """
 
-from kmp import callbacks
+from kmp import callbacks, distribute
 from kmp.config import Config, LossScaleConfig
+from kmp.distribute import prepare, resolve_strategy
 from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.errors import ConfigError, KmpError, LossScaleError
 from kmp.optimizer import LossScaleOptimizer
@@ -32,12 +33,15 @@ __all__ = [
     "LossScaleOptimizer",
     "Precision",
     "callbacks",
+    "distribute",
     "check_hardware",
     "float32_output",
     "load_config",
     "precision_scope",
+    "prepare",
     "resolve_batch_sizes",
     "resolve_precision",
+    "resolve_strategy",
     "set_precision",
     "to_deepspeed",
     "wrap",

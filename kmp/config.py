@@ -17,13 +17,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from kmp.errors import Problem, check
+from kmp.errors import Problem, check, did_you_mean
 
 GrowthRule = Literal["every_window", "after_window"]
 PrecisionName = Literal["fp32", "fp16", "bf16"]
 
+StrategyName = Literal["auto", "default", "mirrored", "multi_worker_mirrored", "tpu"]
+
 GROWTH_RULES: tuple[str, ...] = get_args(GrowthRule)
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 
 
 def _is_number(value: Any) -> bool:
@@ -54,7 +57,8 @@ def _bool(path: str, value: Any, out: list[Problem]) -> None:
 def _choice(path: str, value: Any, choices: tuple[str, ...], out: list[Problem]) -> None:
     if value not in choices:
         options = ", ".join(repr(c) for c in choices)
-        out.append(Problem(path, f"one of {options}", value))
+        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+        out.append(Problem(path, f"one of {options}", value, hint))
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,13 @@ class Config:
     train_batch_size: int | None = None
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
+    strategy: StrategyName = "auto"
 
     def problems(self, paths: dict[str, str] | None = None) -> list[Problem]:
         p = {f.name: f.name for f in dataclasses.fields(self)} | (paths or {})
         out: list[Problem] = []
         _choice(p["precision"], self.precision, PRECISIONS, out)
+        _choice(p["strategy"], self.strategy, STRATEGIES, out)
         if self.gradient_clipping is not None:
             _positive_number(p["gradient_clipping"], self.gradient_clipping, out)
         for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps"):

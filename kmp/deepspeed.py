@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp.config import GROWTH_RULES, Config, LossScaleConfig
+from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 
 # The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
@@ -96,6 +96,8 @@ class _Key:
     note: str = ""  # added to range problems, formatted with the JSON value
 
 
+_STRATEGY = ("one of " + ", ".join(repr(s) for s in STRATEGIES), lambda v: isinstance(v, str))
+
 DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("train_batch_size", "train_batch_size", _INT),
     _Key("train_micro_batch_size_per_gpu", "micro_batch_size", _INT),
@@ -118,6 +120,7 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("kmp.raise_at_min_scale", "loss_scale.raise_at_min_scale", _BOOL),
     _Key("kmp.growth_factor", "loss_scale.growth_factor", _NUMBER, float),
     _Key("kmp.backoff_factor", "loss_scale.backoff_factor", _NUMBER, float),
+    _Key("kmp.strategy", "strategy", _STRATEGY),
 )
 
 _BLOCKS = ("fp16", "bf16", "kmp")
@@ -286,7 +289,7 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
         if row is not None:
             # Show the value as written in JSON (the power, not 2**power).
             shown = given[p.path] if p.path in given else row.dump(_get(config, row.field))
-            fix = row.note.format(shown)
+            fix = f"{p.fix} {row.note.format(shown)}"
             if p.path not in given:
                 fix += " That is DeepSpeed's default; set the key to change it."
             p = dataclasses.replace(p, received=shown, fix=fix.strip())
