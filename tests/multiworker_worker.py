@@ -32,6 +32,7 @@ ROWS, FEATURES, GLOBAL_BATCH, EPOCHS = 48, 16, 8, 2
 SPIKE_ROW = 5  # global batch 0, second half: worker 1's share
 INITIAL_SCALE, GROWTH_STEPS = 64.0, 2
 COLLECTIVE_TIMEOUT_S = 45
+ACCUMULATION = 3  # micro-batches per optimizer step in the accumulation run
 
 
 def make_data():
@@ -52,7 +53,7 @@ def make_dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).with_options(options)
 
 
-def build_model(units=32):
+def build_model(units=32, accumulation=None):
     import keras
 
     import kmp
@@ -69,26 +70,43 @@ def build_model(units=32):
     # tiny; with epsilon near the gradients' size, a gradient summed twice
     # or not averaged moves the weights by ~1e-2 and fails the parity test.
     optimizer = kmp.wrap(
-        keras.optimizers.Adam(1e-2, epsilon=0.1), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS
+        keras.optimizers.Adam(1e-2, epsilon=0.1), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS,
+        **({} if accumulation is None else {"gradient_accumulation_steps": accumulation}),
     )
     model.compile(optimizer=optimizer, loss="mse")
     return model
 
 
-def train(strategy, prepare=True) -> dict:
-    """Train under `strategy`; weights, losses and loss-scale state, as JSON-able values."""
+def train(strategy, prepare=True, accumulation=None) -> dict:
+    """Train under `strategy`; weights, losses and loss-scale state, as JSON-able values.
+
+    With `accumulation`, also counts the all-reduces this replica makes.
+    """
     import keras
+    import tensorflow as tf
 
     import kmp.distribute
+    import kmp.optimizer
 
     keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     x, y = make_data()
     with strategy.scope():
-        model = build_model()
+        model = build_model(accumulation=accumulation)
+        calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
+    reduce = kmp.optimizer.all_reduce_sum
+
+    def counting(grads):
+        calls.assign_add(1)
+        return reduce(grads)
+
+    kmp.optimizer.all_reduce_sum = counting  # this process only, restored below
     if prepare:
         kmp.distribute.prepare(model)
-    history = model.fit(make_dataset(x, y), epochs=EPOCHS, verbose=0, shuffle=False)
+    try:
+        history = model.fit(make_dataset(x, y), epochs=EPOCHS, verbose=0, shuffle=False)
+    finally:
+        kmp.optimizer.all_reduce_sum = reduce
     clean = [row for row in range(ROWS) if row != SPIKE_ROW][:40]  # 5 full global batches
     eval_loss = model.evaluate(make_dataset(x[clean], y[clean]), verbose=0)
     opt = model.optimizer
@@ -97,6 +115,7 @@ def train(strategy, prepare=True) -> dict:
         "weights": [w.tolist() for w in model.get_weights()],
         "loss": history.history["loss"],
         "eval_loss": eval_loss,
+        "all_reduces": int(strategy.experimental_local_results(calls)[0].numpy()),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
             **{k: int(getattr(opt, k).numpy()) for k in
@@ -156,6 +175,7 @@ def main(argv: list[str]) -> int:
         "symbolic_build_fix_only_error": fit_error(strategy, ["_maybe_symbolic_build"]),
     }
     result.update(train(strategy, prepare=True))
+    result["accumulated"] = train(strategy, prepare=True, accumulation=ACCUMULATION)
     with open(argv[0], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

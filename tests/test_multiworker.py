@@ -162,3 +162,24 @@ def test_weights_and_losses_match_one_process(workers, reference):
     np.testing.assert_allclose(workers[0]["eval_loss"], reference["eval_loss"], rtol=1e-3)
     initial = worker.build_model().get_weights()  # the weights moved: the parity is not vacuous
     assert not np.allclose(initial[0], np.asarray(reference["weights"][0]), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference():
+    policy = keras.config.dtype_policy()
+    try:
+        return worker.train(tf.distribute.get_strategy(), accumulation=worker.ACCUMULATION)
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def test_accumulation_reduces_once_per_window_and_matches_one_process(workers, accumulated_reference):
+    micro_steps = worker.EPOCHS * worker.ROWS // worker.GLOBAL_BATCH
+    windows = micro_steps // worker.ACCUMULATION
+    first, second = (w["accumulated"] for w in workers)
+    assert first["all_reduces"] == second["all_reduces"] == windows
+    assert first["state"] == second["state"] == accumulated_reference["state"]
+    assert first["state"]["iterations"] + first["state"]["skipped_steps"] == windows
+    for a, b, ref in zip(first["weights"], second["weights"], accumulated_reference["weights"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(ref), rtol=1e-3, atol=1e-4)
