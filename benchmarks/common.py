@@ -53,8 +53,14 @@ def fit_ms_per_step(model, x, y, batch: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
-def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
-    """Runs each `name -> callable returning ms` once per round, in turn."""
+def interleaved(variants: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Runs each `name -> callable returning ms` once per round, in turn.
+
+    The first `warmup` rounds are not recorded (lazy initialization, caches).
+    """
+    for _ in range(warmup):
+        for measure in variants.values():
+            measure()
     times = {name: [] for name in variants}
     for _ in range(rounds):
         for name, measure in variants.items():
@@ -65,7 +71,7 @@ def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
 def report(title: str, times: dict[str, list[float]], baseline: str) -> None:
     base = statistics.median(times[baseline])
     print(f"\n{title}")
-    print(f"{'variant':44s} {'median ms/step':>15s} {'spread':>14s} {'ratio':>7s}")
+    print(f"{'variant':44s} {'median ms':>15s} {'spread':>14s} {'ratio':>7s}")
     for name, values in times.items():
         median = statistics.median(values)
         spread = f"{min(values):.1f}-{max(values):.1f}"

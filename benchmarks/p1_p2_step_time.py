@@ -1,4 +1,4 @@
-"""P1 and P2: training-step time of kmp vs stock Keras, side by side.
+"""P1 and P2 (ms per training step): time of kmp vs stock Keras, side by side.
 
 P1 (target <= 0.30x): the issues' MLP (40 x Dense(256), batch 64, Adam) in
 mixed_float16 under MirroredStrategy on two logical CPU devices: `fit()` with
