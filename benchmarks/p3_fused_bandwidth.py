@@ -1,0 +1,199 @@
+"""P3: how close the optimizer update gets to the memory bandwidth.
+
+Adam must read params, grads and both moments and write params and both
+moments: 7 float32 streams, 28 bytes per parameter. For two layouts with the
+same byte count per variable set (200 x 100K and 2000 x 1K float32
+parameters) this measures, side by side in one process, the time per step of
+
+    copy        the bandwidth reference: ONE XLA computation over four flat
+                float32 buffers of the same total size doing
+                p += g; m += g; v += g (Adam's read set and write set, in
+                place, with no arithmetic to speak of). It has no per-variable
+                cost at all: it is the number a flat-buffer design (DeepSpeed)
+                aims at on this machine.
+    copy/var    the same three adds, per variable, in one XLA computation:
+                what any update of the model's own (separate) variables pays
+                for TensorFlow's per-variable launch cost before any math.
+    keras       keras.optimizers.Adam.apply inside tf.function (how fit() runs it)
+    keras+xla   the same inside tf.function(jit_compile=True)
+    fused       kmp.fused.fused_apply inside tf.function (groups of
+                kmp.fused.GROUP_SIZE variables per XLA computation)
+
+and, without --quick, the two layouts kmp.fused did not choose:
+
+    fused/1     fused_apply with all variables in ONE XLA computation
+    flat        Adam on flat buffers: concatenate all params, grads and
+                moments in one XLA computation, update, split, assign back
+
+and reports GB/s (28 bytes x parameters / time) and the ratio to `copy`.
+Each method has its own variables; grads are read from variables (a free
+read inside the graph). Rounds interleave the methods so machine noise
+(other processes) hits them alike; the table gives the median over rounds
+and the spread (min-max).
+
+A second table splits the fused time into a per-variable cost and a
+per-byte cost: the same variable counts with 1-element variables.
+
+    python benchmarks/p3_fused_bandwidth.py            # ~2 minutes
+    python benchmarks/p3_fused_bandwidth.py --quick    # ~30 seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from kmp import fused  # noqa: E402
+from kmp.fused import fused_apply  # noqa: E402
+
+LAYOUTS = [(200, 100_000), (2000, 1_000)]
+STREAMS = 7  # read p, g, m, v; write p, m, v
+METHODS = ["copy", "copy/var", "keras", "keras+xla", "fused"]
+ALTERNATIVES = ["fused/1", "flat"]
+
+
+def _adam_methods(count, size, grads, alternatives=False):
+    """One step function per Adam method, each on its own variables."""
+    rng = np.random.default_rng(0)
+    init = [rng.normal(size=size).astype("float32") * 0.1 for _ in range(count)]
+
+    def make(apply, jit_compile=False):
+        variables = [keras.Variable(x) for x in init]
+        opt = keras.optimizers.Adam(1e-3)
+        opt.build(variables)
+        return tf.function(lambda: apply(opt, [g.read_value() for g in grads], variables), jit_compile=jit_compile)
+
+    def one_group(opt, grads, variables):
+        default, fused.GROUP_SIZE = fused.GROUP_SIZE, len(variables)
+        try:
+            fused_apply(opt, grads, variables)  # traced (and cached) with one group
+        finally:
+            fused.GROUP_SIZE = default
+
+    keras_apply = lambda opt, g, v: opt.apply(g, v)
+    methods = {
+        "keras": make(keras_apply),
+        "keras+xla": make(keras_apply, jit_compile=True),
+        "fused": make(fused_apply),
+    }
+    if alternatives:
+        methods["fused/1"] = make(one_group)
+        methods["flat"] = _flat_adam(init, grads)
+    return methods
+
+
+def _flat_adam(init, grads, beta_1=0.9, beta_2=0.999, epsilon=1e-7, lr=1e-3):
+    """Keras's Adam math on concatenated buffers, split back into the variables."""
+    params = [tf.Variable(x) for x in init]
+    moments = [[tf.Variable(tf.zeros_like(x)) for x in init] for _ in range(2)]
+    iterations = tf.Variable(0, dtype=tf.int64)
+    sizes = [x.size for x in init]
+
+    @tf.function(jit_compile=True)
+    def step(grad_values):
+        flat = lambda xs: tf.concat([tf.reshape(x, [-1]) for x in xs], 0)
+        p, g, m, v = flat(params), flat(grad_values), flat(moments[0]), flat(moments[1])
+        t = tf.cast(iterations + 1, tf.float32)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, t)) / (1 - tf.pow(beta_1, t))
+        m = m + (g - m) * (1 - beta_1)
+        v = v + (tf.square(g) - v) * (1 - beta_2)
+        p = p - (m * alpha) / (tf.sqrt(v) + epsilon)
+        for variables, value in zip([params, *moments], [p, m, v]):
+            for variable, part in zip(variables, tf.split(value, sizes)):
+                variable.assign(tf.reshape(part, variable.shape))
+        iterations.assign_add(1)
+
+    return tf.function(lambda: step([g.read_value() for g in grads]))
+
+
+def _copy_methods(count, size, grads):
+    flat = [tf.Variable(tf.zeros(count * size)) for _ in range(4)]
+    per_var = [[tf.Variable(tf.zeros(size)) for _ in range(count)] for _ in range(3)]
+
+    @tf.function(jit_compile=True)
+    def copy():
+        p, g, m, v = flat
+        g = g.read_value()
+        p.assign_add(g)
+        m.assign_add(g)
+        v.assign_add(g)
+
+    @tf.function(jit_compile=True)
+    def copy_per_var(grads):
+        for p, m, v, g in zip(*per_var, grads):
+            p.assign_add(g)
+            m.assign_add(g)
+            v.assign_add(g)
+
+    return {"copy": copy, "copy/var": tf.function(lambda: copy_per_var([g.read_value() for g in grads]))}
+
+
+def _time(functions, rounds, steps):
+    """Median and spread of seconds per step, rounds interleaved."""
+    for f in functions.values():
+        f()  # trace and compile
+        f()
+    samples = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, f in functions.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                f()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+
+
+def bandwidth_table(rounds, steps, alternatives):
+    methods = METHODS + (ALTERNATIVES if alternatives else [])
+    rows = []
+    for count, size in LAYOUTS:
+        grads = [tf.Variable(np.random.default_rng(i).normal(size=size).astype("float32")) for i in range(count)]
+        functions = {**_copy_methods(count, size, grads), **_adam_methods(count, size, grads, alternatives)}
+        timings = _time({m: functions[m] for m in methods}, rounds, steps)
+        nbytes = STREAMS * 4 * count * size
+        reference = timings["copy"][0]
+        for method in methods:
+            median, low, high = timings[method]
+            rows.append((f"{count} x {size // 1000}K", method, median, low, high, nbytes / median / 1e9, reference / median))
+        del functions, grads
+    print(f"\nAdam update, float32, {STREAMS} streams x 4 bytes per parameter; median over rounds (min-max)\n")
+    print(f"{'layout':>12} {'method':>10} {'ms/step':>9} {'min-max ms':>17} {'GB/s':>7} {'vs copy':>8}")
+    for layout, method, median, low, high, gbs, ratio in rows:
+        print(f"{layout:>12} {method:>10} {median * 1e3:9.2f} {low * 1e3:8.2f}-{high * 1e3:<8.2f} {gbs:7.1f} {ratio:8.0%}")
+    return rows
+
+
+def overhead_table(rounds):
+    """The same variable counts with 1-element variables: no bytes, only per-variable cost."""
+    print("\nWhat limits the step: per-variable cost (same counts, 1-element variables)\n")
+    print(f"{'variables':>10} {'method':>10} {'ms/step':>9} {'us/variable':>12} {'min-max ms':>17}")
+    for count, _ in LAYOUTS:
+        grads = [tf.Variable(tf.ones(1)) for _ in range(count)]
+        methods = _adam_methods(count, 1, grads)
+        timings = _time({m: methods[m] for m in ("keras", "fused")}, rounds, 10)
+        for method, (median, low, high) in timings.items():
+            print(f"{count:>10} {method:>10} {median * 1e3:9.2f} {median / count * 1e6:12.2f} "
+                  f"{low * 1e3:8.2f}-{high * 1e3:<8.2f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, no alternative layouts")
+    args = parser.parse_args(argv)
+    rounds = 3 if args.quick else 9
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
+          f"rounds={rounds}, GROUP_SIZE={fused.GROUP_SIZE}")
+    bandwidth_table(rounds, 3 if args.quick else 10, alternatives=not args.quick)
+    overhead_table(rounds)
+
+
+if __name__ == "__main__":
+    main()
