@@ -1,23 +1,25 @@
 """P3: how close the optimizer update gets to the memory bandwidth.
 
 Adam must read params, grads and both moments and write params and both
-moments: 7 float32 streams, 28 bytes per parameter. For two layouts with the
-same byte count per variable set (200 x 100K and 2000 x 1K float32
-parameters) this measures, side by side in one process, the time per step of
+moments: 7 float32 streams, 28 bytes per parameter. For two layouts of the
+same 20M float32 parameters (200 variables x 100K, 2000 x 1K) this measures,
+side by side in one process, the time per step of
 
     copy        the bandwidth reference: ONE XLA computation over four flat
-                float32 buffers of the same total size doing
-                p += g; m += g; v += g (Adam's read set and write set, in
-                place, with no arithmetic to speak of). It has no per-variable
-                cost at all: it is the number a flat-buffer design (DeepSpeed)
-                aims at on this machine.
-    copy/var    the same three adds, per variable, in one XLA computation:
-                what any update of the model's own (separate) variables pays
-                for TensorFlow's per-variable launch cost before any math.
+                float32 buffers of the same total size doing p += g; m += g;
+                v += g in place: Adam's read set and write set with no
+                arithmetic to speak of, and no per-variable cost at all (the
+                number a flat-buffer design like DeepSpeed's aims at). XLA
+                emits one loop per output, so g is really read three times
+                (9 streams); like every row it is counted as 7.
+    copy/var    the same three adds per variable, in one XLA computation:
+                what updating the model's own separate variables costs before
+                any math.
     keras       keras.optimizers.Adam.apply inside tf.function (how fit() runs it)
     keras+xla   the same inside tf.function(jit_compile=True)
-    fused       kmp.fused.fused_apply inside tf.function (groups of
-                kmp.fused.GROUP_SIZE variables per XLA computation)
+    fused       kmp.fused.fused_apply inside tf.function (one XLA computation
+                per kmp.fused.GROUP_SIZE variables). XLA emits three loops per
+                variable (m, v, then p re-reading the new m and v): 10 streams.
 
 and, without --quick, the two layouts kmp.fused did not choose:
 
@@ -25,17 +27,22 @@ and, without --quick, the two layouts kmp.fused did not choose:
     flat        Adam on flat buffers: concatenate all params, grads and
                 moments in one XLA computation, update, split, assign back
 
-and reports GB/s (28 bytes x parameters / time) and the ratio to `copy`.
-Each method has its own variables; grads are read from variables (a free
-read inside the graph). Rounds interleave the methods so machine noise
-(other processes) hits them alike; the table gives the median over rounds
-and the spread (min-max).
+It reports GB/s (28 bytes x parameters / time), the ratio to `copy`, and
+the first call (trace + compile). Each method has its own variables. The
+gradients are read from variables: inside the XLA computation for copy and
+keras+xla, one graph op per variable for the others (in training they come
+from the backward pass instead). Rounds interleave the methods so machine
+noise (other processes) hits them alike; the table gives the median over
+rounds and the spread (min-max).
 
-A second table splits the fused time into a per-variable cost and a
-per-byte cost: the same variable counts with 1-element variables.
+Without --quick a second table gives the per-variable cost alone: the same
+variable counts with 1-element variables.
 
-    python benchmarks/p3_fused_bandwidth.py            # ~2 minutes
-    python benchmarks/p3_fused_bandwidth.py --quick    # ~30 seconds
+    python benchmarks/p3_fused_bandwidth.py            # ~11 minutes on 2 cores
+    python benchmarks/p3_fused_bandwidth.py --quick    # ~4 minutes
+
+Most of the time is compiling: XLA compile time grows with the number of
+variables (the 2000-variable steps take 30 s to 2 minutes each).
 """
 
 from __future__ import annotations
@@ -137,9 +144,13 @@ def _copy_methods(count, size, grads):
 
 
 def _time(functions, rounds, steps):
-    """Median and spread of seconds per step, rounds interleaved."""
-    for f in functions.values():
-        f()  # trace and compile
+    """Seconds of the first call (trace and compile), then the median and
+    spread of seconds per step over rounds that interleave the methods."""
+    first = {}
+    for name, f in functions.items():
+        start = time.perf_counter()
+        f()
+        first[name] = time.perf_counter() - start
         f()
     samples = {name: [] for name in functions}
     for _ in range(rounds):
@@ -148,7 +159,7 @@ def _time(functions, rounds, steps):
             for _ in range(steps):
                 f()
             samples[name].append((time.perf_counter() - start) / steps)
-    return {name: (statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+    return {name: (statistics.median(s), min(s), max(s), first[name]) for name, s in samples.items()}
 
 
 def bandwidth_table(rounds, steps, alternatives):
@@ -161,13 +172,16 @@ def bandwidth_table(rounds, steps, alternatives):
         nbytes = STREAMS * 4 * count * size
         reference = timings["copy"][0]
         for method in methods:
-            median, low, high = timings[method]
-            rows.append((f"{count} x {size // 1000}K", method, median, low, high, nbytes / median / 1e9, reference / median))
+            median, low, high, first = timings[method]
+            rows.append((f"{count} x {size // 1000}K", method, median, low, high, nbytes / median / 1e9,
+                         reference / median, first))
         del functions, grads
-    print(f"\nAdam update, float32, {STREAMS} streams x 4 bytes per parameter; median over rounds (min-max)\n")
-    print(f"{'layout':>12} {'method':>10} {'ms/step':>9} {'min-max ms':>17} {'GB/s':>7} {'vs copy':>8}")
-    for layout, method, median, low, high, gbs, ratio in rows:
-        print(f"{layout:>12} {method:>10} {median * 1e3:9.2f} {low * 1e3:8.2f}-{high * 1e3:<8.2f} {gbs:7.1f} {ratio:8.0%}")
+    print(f"\nAdam update, float32, {STREAMS} streams x 4 bytes per parameter; median over rounds (min-max);")
+    print("first call = trace + compile\n")
+    print(f"{'layout':>12} {'method':>10} {'ms/step':>9} {'min-max ms':>17} {'GB/s':>7} {'vs copy':>8} {'first call':>11}")
+    for layout, method, median, low, high, gbs, ratio, first in rows:
+        print(f"{layout:>12} {method:>10} {median * 1e3:9.2f} {low * 1e3:8.2f}-{high * 1e3:<8.2f} {gbs:7.1f} "
+              f"{ratio:8.0%} {first:10.1f}s")
     return rows
 
 
@@ -179,20 +193,22 @@ def overhead_table(rounds):
         grads = [tf.Variable(tf.ones(1)) for _ in range(count)]
         methods = _adam_methods(count, 1, grads)
         timings = _time({m: methods[m] for m in ("keras", "fused")}, rounds, 10)
-        for method, (median, low, high) in timings.items():
+        for method, (median, low, high, _) in timings.items():
             print(f"{count:>10} {method:>10} {median * 1e3:9.2f} {median / count * 1e6:12.2f} "
                   f"{low * 1e3:8.2f}-{high * 1e3:<8.2f}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, no alternative layouts")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer rounds; no alternative layouts, no per-variable cost table")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else 9
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
           f"rounds={rounds}, GROUP_SIZE={fused.GROUP_SIZE}")
     bandwidth_table(rounds, 3 if args.quick else 10, alternatives=not args.quick)
-    overhead_table(rounds)
+    if not args.quick:
+        overhead_table(rounds)
 
 
 if __name__ == "__main__":

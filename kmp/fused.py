@@ -1,15 +1,15 @@
 """The optimizer update as one XLA computation per replica.
 
 Keras updates variables one small op at a time (about ten kernels per
-variable for Adam, each a round trip through memory, each with its own
-dispatch). Here the whole of `optimizer.apply` for already all-reduced
-gradients is one `tf.function(jit_compile=True)`, traced once per optimizer
-settings, variable set and replica, then reused:
+variable for Adam, each a pass over memory with its own dispatch). Here the
+whole of `optimizer.apply`, for gradients that are already all-reduced, is
+compiled with XLA, traced once per optimizer settings, variable set and
+replica, and reused:
 
     fused_apply(opt, grads, variables):
         if fused_support(opt) or this call needs Keras:   # reason logged once
             opt.apply(grads, variables)
-        else: step(grads), one XLA computation on this replica's copies:
+        else, in one XLA computation on this replica's own copies:
             lr = learning_rate(iterations)        # variable, schedule or callable
             grads = clip(grads)                   # clipnorm | global_clipnorm | clipvalue
             var -= var * weight_decay * lr        # where opt._use_weight_decay(var)
@@ -17,22 +17,35 @@ settings, variable set and replica, then reused:
             iterations += 1
 
 The math is Keras's `update_step` for SGD (momentum, nesterov), Adam
-(amsgrad=False) and AdamW, op for op; XLA evaluates it with the same float32
-rounding except where it contracts a multiply and an add into one FMA, so
-results agree to about one ulp per step, not bit for bit (tests/test_fused.py).
+(amsgrad=False) and AdamW, op for op. XLA's CPU backend contracts a*b+c into
+one FMA where Keras rounds twice, so results agree to about one ulp per
+step; with FMA unavailable (XLA_FLAGS=--xla_cpu_max_isa=AVX) they are bit
+for bit identical, except the norm clippings, whose sums XLA adds in another
+order (tests/test_fused.py checks both).
 
-Layout: per-variable element-wise loops inside the one computation, not flat
-buffers. Concatenating into a flat buffer and splitting back costs two extra
-passes over every tensor, and XLA updates each variable in place (input/output
-aliasing), which a flat copy would lose. What one computation removes is the
-per-op dispatch; what it cannot remove is TensorFlow's per-variable cost of
-passing a resource into an XLA launch (benchmarks/p3_fused_bandwidth.py).
+Layout, measured on a 2-core CPU (benchmarks/p3_fused_bandwidth.py):
+
+- Per-variable element-wise loops, not flat buffers. Concatenating into flat
+  buffers and splitting back is 2.4x slower on 200 x 100K parameters (extra
+  passes, and the in-place update of each variable is lost) and no faster on
+  2000 x 1K.
+- At most GROUP_SIZE variables per computation. TensorFlow's XLA launch
+  looks every input up in the output-alias table, so its cost per variable
+  grows with the number of variables in one launch: 2000 variables update
+  in ~55 ms as 16 computations and ~105 ms as one. Models with up to
+  GROUP_SIZE variables get exactly one computation.
+- What is left is TensorFlow's cost per resource variable (a few
+  microseconds each, ~25-35 us per Adam variable here, the order of Keras's
+  own per-op dispatch) plus the bytes: near the memory bandwidth for large
+  variables, far from it for many small ones.
 
 Replicas: under a MirroredStrategy each replica calls this in replica
-context and the compiled step captures that replica's own component of every
-mirrored variable (model variables, slots, iterations, the learning rate), so
-the XLA cluster only touches its own device's resources. No communication
-happens inside: the gradients must already be all-reduced.
+context, and the compiled step captures that replica's own component of
+every mirrored variable (model variables, slots, iterations, the learning
+rate), so each XLA computation touches only its own device's resources.
+Nothing communicates inside: the gradients must already be all-reduced, and
+a fallback to `optimizer.apply` must not all-reduce again
+(kmp.LossScaleOptimizer hands that reduction over for its inner optimizer).
 """
 
 from __future__ import annotations
@@ -58,11 +71,7 @@ _HYPERPARAMETERS = {
     keras.optimizers.AdamW: ("beta_1", "beta_2", "epsilon"),
 }
 _CLIPPING = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue")
-# Variables per XLA computation. TensorFlow's XLA launch costs grow faster
-# than linearly with the number of resource variables passed in (each
-# input is looked up in the output-alias table), so very many variables
-# update faster in a few computations than in one.
-GROUP_SIZE = 128
+GROUP_SIZE = 128  # variables per XLA computation (see "Layout" above)
 
 
 def fused_support(optimizer) -> str | None:
@@ -96,8 +105,7 @@ def fused_apply(optimizer, grads, variables=None) -> None:
     reason).
     """
     grads = list(grads)
-    reason = fused_support(optimizer)
-    step = None
+    step, reason = None, fused_support(optimizer)
     if reason is None:
         step, reason = _step_for(optimizer, grads, variables)
     if reason is not None:
@@ -160,7 +168,7 @@ def _step_for(optimizer, grads, variables):
         if not optimizer.built:
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
-        steps[key] = _compile(optimizer, [variables[i] for i in present], replica)
+        steps[key] = _make_step(optimizer, [variables[i] for i in present])
     step = steps[key]
     if isinstance(step, str):
         return None, step
@@ -198,8 +206,8 @@ def _name(variable) -> str:
     return getattr(variable, "path", None) or variable.name
 
 
-def _compile(optimizer, variables, replica):
-    """The compiled step for these variables, or why they cannot be fused."""
+def _make_step(optimizer, variables):
+    """The step for these variables on this replica, or why they cannot be fused."""
     for v in variables:
         if optimizer._var_key(v) not in optimizer._trainable_variables_indices:
             return f"variable {_name(v)} is not one the optimizer was built with"

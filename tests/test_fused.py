@@ -17,6 +17,10 @@ from kmp.fused import fused_apply, fused_support
 SHAPES = {"kernel": (4, 3), "bias": (3,), "embedding": (2, 2, 2)}
 
 
+def _half_of_a_tenth():  # a callable learning rate
+    return 0.05
+
+
 def _exclude_bias(opt):
     opt.exclude_from_weight_decay(var_names=["bias"])
     return opt
@@ -28,7 +32,7 @@ CASES = {
     "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
     "sgd_weight_decay": lambda: keras.optimizers.SGD(0.1, momentum=0.5, weight_decay=0.05),
     "sgd_clipvalue": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipvalue=0.5),
-    "sgd_callable_lr": lambda: keras.optimizers.SGD(lambda: 0.05, momentum=0.9),
+    "sgd_callable_lr": lambda: keras.optimizers.SGD(_half_of_a_tenth, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clipnorm": lambda: keras.optimizers.Adam(0.01, clipnorm=0.5),
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5),
@@ -42,8 +46,8 @@ CASES = {
         keras.optimizers.schedules.CosineDecay(0.0, 20, warmup_target=0.01, warmup_steps=5), weight_decay=0.1
     ),
 }
-# Bit for bit without FMA contraction (see _bitwise_without_fma); the norm
-# clippings reduce in a different order in XLA and agree to rounding only.
+# Bit for bit without FMA contraction (test_bit_for_bit_without_fma_contraction);
+# the norm clippings sum in another order in XLA and agree to rounding only.
 NORM_CLIPPING = {"adam_clipnorm", "adam_global_clipnorm"}
 
 
