@@ -96,9 +96,9 @@ def train(strategy, prepare=True, accumulation=None) -> dict:
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
     reduce = kmp.optimizer.all_reduce_sum
 
-    def counting(grads):
+    def counting(grads, *args, **kwargs):
         calls.assign_add(1)
-        return reduce(grads)
+        return reduce(grads, *args, **kwargs)
 
     kmp.optimizer.all_reduce_sum = counting  # this process only, restored below
     if prepare:

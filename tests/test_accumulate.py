@@ -87,9 +87,9 @@ def test_one_all_reduce_per_window_under_mirrored(two_replicas, monkeypatch):
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
     original = kmp_optimizer.all_reduce_sum
 
-    def counting(grads):
+    def counting(grads, *args, **kwargs):
         calls.assign_add(1)  # replica context: each replica counts its own calls
-        return original(grads)
+        return original(grads, *args, **kwargs)
 
     monkeypatch.setattr(kmp_optimizer, "all_reduce_sum", counting)
     _, opt = _train(two_replicas, "float32", lambda: keras.optimizers.SGD(0.01), batch=8, steps=4,

@@ -1,0 +1,129 @@
+"""The gradient all-reduce: flat buckets, one collective each, in a chosen dtype.
+
+    all_reduce_sum(grads, communication, loss_scale):
+        for each bucket of float32 gradients (at most bytes_per_pack bytes;
+        0 means one bucket for the whole model):
+            flat = concat(reshape(g, [-1]) * pre) as communication.dtype
+            flat = replica_context.all_reduce(SUM, flat)     # one collective
+            grads = split(float32(flat) * post)
+        other gradients (sparse, float8 overwrite-with-gradient) one by one
+
+Why flat buckets: under MirroredStrategy TensorFlow reduces every tensor of a
+list separately (ReductionToOneDevice on CPUs: a copy and an add per
+variable); one buffer per bucket is one transfer, as DeepSpeed's
+`allreduce_bucket_size` does. MultiWorkerMirroredStrategy's collectives pack
+the same way.
+
+The factors, as DeepSpeed defines them for its `communication_data_type`,
+`prescale_gradients` and `gradient_predivide_factor`:
+
+- Each replica's gradient reaches this point already divided by the number
+  of replicas N (Keras divides each replica's loss by N), which is
+  DeepSpeed's `prescale_gradients: true`. `predivide_factor=f` is its
+  postscaling instead: the sum travels as grad * N / f and is multiplied by
+  f / N after, so the partial sums stay in range for f ~ N.
+- float16 communication sends the *scaled* gradients (times the loss
+  scale), as DeepSpeed's fp16 engine does: unscaled gradients underflow in
+  float16. A sum that overflows float16 becomes inf, is caught by the
+  overflow check after the reduce, and skips the step like any overflow.
+- bfloat16 has float32's range: its gradients travel unscaled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from kmp.errors import Problem, check
+
+COMMUNICATION_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Communication:
+    """How gradients cross replicas (defaults: float32, one bucket, no extra factor)."""
+
+    dtype: str = "float32"
+    bytes_per_pack: int = 0
+    predivide_factor: float | None = None
+
+    def problems(self, prefix: str = "") -> list[Problem]:
+        out = []
+        if self.dtype not in COMMUNICATION_DTYPES:
+            out.append(Problem(f"{prefix}dtype", f"one of {', '.join(COMMUNICATION_DTYPES)}", self.dtype))
+        if not isinstance(self.bytes_per_pack, int) or isinstance(self.bytes_per_pack, bool) or self.bytes_per_pack < 0:
+            out.append(Problem(f"{prefix}bytes_per_pack", "an integer >= 0 (0: one bucket)", self.bytes_per_pack))
+        f = self.predivide_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
+            out.append(Problem(f"{prefix}predivide_factor", "None or a finite number > 0", f))
+        return out
+
+    def validated(self, source: str = "kmp communication settings") -> "Communication":
+        check(self.problems(), source)
+        return self
+
+
+def all_reduce_sum(grads: list, communication: Communication | None = None, loss_scale=None) -> list:
+    """Sums gradients across replicas, one collective per bucket; `None`s pass through.
+
+    `loss_scale` (the scale the gradients were divided by) is needed only for
+    float16 communication.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return list(grads)
+    communication = communication or Communication()
+    dtype = tf.as_dtype(communication.dtype)
+    pre = None  # multiplies before the reduce, divides after; None: neither
+    if communication.predivide_factor is not None:
+        pre = tf.constant(ctx.num_replicas_in_sync / communication.predivide_factor, tf.float32)
+    if dtype == tf.float16:
+        scale = tf.cast(loss_scale, tf.float32)
+        pre = scale if pre is None else pre * scale
+    times = (lambda g: g) if pre is None else (lambda g: g * pre)
+
+    out = list(grads)
+    flat = [i for i, g in enumerate(grads) if _flattenable(g)]
+    for bucket in _buckets([grads[i] for i in flat], dtype.size, communication.bytes_per_pack):
+        members = [flat[k] for k in bucket]
+        buffer = tf.concat([tf.reshape(times(grads[i]), [-1]) for i in members], axis=0)
+        buffer = tf.cast(ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(buffer, dtype)), tf.float32)
+        if pre is not None:
+            buffer = buffer / pre
+        sizes = [grads[i].shape.num_elements() for i in members]
+        for i, part in zip(members, tf.split(buffer, sizes)):
+            out[i] = tf.reshape(part, grads[i].shape)
+    others = [i for i, g in enumerate(grads) if g is not None and i not in set(flat)]
+    if others:
+        for i, reduced in zip(others, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in others])):
+            out[i] = reduced
+    return out
+
+
+def _flattenable(g) -> bool:
+    return (
+        g is not None
+        and not isinstance(g, tf.IndexedSlices)
+        and g.dtype == tf.float32
+        and g.shape.is_fully_defined()
+    )
+
+
+def _buckets(grads: list, itemsize: int, bytes_per_pack: int) -> list[list[int]]:
+    """Consecutive groups of at most `bytes_per_pack` bytes (a larger tensor is its own group)."""
+    if not grads:
+        return []
+    if bytes_per_pack == 0:
+        return [list(range(len(grads)))]
+    groups, current, size = [], [], 0
+    for k, g in enumerate(grads):
+        nbytes = g.shape.num_elements() * itemsize
+        if current and size + nbytes > bytes_per_pack:
+            groups.append(current)
+            current, size = [], 0
+        current.append(k)
+        size += nbytes
+    groups.append(current)
+    return groups
