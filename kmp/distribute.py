@@ -37,6 +37,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _keras_trainer
 
+from kmp import replica_step
 from kmp.config import STRATEGIES, Config, StrategyName
 from kmp.deepspeed import load_config
 from kmp.errors import Problem, check, did_you_mean
@@ -281,16 +282,24 @@ _BUILDERS: dict[str, Callable[..., tf.distribute.Strategy]] = {
 # --------------------------------------------------------------------------
 
 
-def prepare(model: keras.Model) -> keras.Model:
-    """Make `model.fit()`/`evaluate()` work under MultiWorkerMirroredStrategy; returns `model`.
+def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Model:
+    """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
     requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again does nothing. It changes this instance only: other
-    models, and Keras's classes, are untouched. Under other strategies the
-    model trains exactly as before (tests/test_distribute.py compares).
+    Calling it again only changes `jit_compile`. It changes this instance
+    only: other models, and Keras's classes, are untouched.
 
-    Two of the instance's methods are replaced, each delegating to Keras's:
+    `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
+    "auto" or True compiles each replica's forward/backward pass with XLA
+    (kmp.replica_step; "auto" unless a layer does not support XLA), and the
+    all-reduce stays outside; False keeps Keras's step without XLA. Keras's
+    own `compile(jit_compile=True)`, which fails under a strategy, is turned
+    into the same. On one replica, True turns Keras's whole-step XLA on and
+    "auto"/False leave the compile() setting as it is.
+
+    Two of the instance's methods are replaced, each delegating to Keras's
+    (besides the XLA step above):
 
     1. `_maybe_symbolic_build`: before the first step Keras builds the model,
        metrics and optimizer from the shapes and dtypes of one data batch,
@@ -313,6 +322,9 @@ def prepare(model: keras.Model) -> keras.Model:
         check([Problem("model", "a keras.Model built by Keras's TensorFlow backend", type(model).__name__,
                        "Pass the model itself, e.g. kmp.distribute.prepare(model).")],
               "kmp.distribute.prepare arguments")
+    if jit_compile not in replica_step.JIT_CHOICES:
+        check([Problem("jit_compile", '"auto", True or False', jit_compile)], "kmp.distribute.prepare arguments")
+    model._kmp_jit_compile = jit_compile
     if is_prepared(model):
         return model
     # Bound methods stored on the instance shadow the class's methods for
@@ -340,14 +352,29 @@ def _build_from_local_batch(self, iterator=None, data_batch=None):
     return type(self)._maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
 
 
-def _make_function_per_replica_axis(self, step_function):
+def _make_function_prepared(self, step_function):
+    setting = getattr(self, "_kmp_jit_compile", "auto")
+    several = self.distribute_strategy.num_replicas_in_sync > 1
+    # Only Keras's own train_step is swapped: a model's custom one is kept.
+    if (
+        getattr(step_function, "__func__", None) is _keras_trainer.TensorFlowTrainer.train_step
+        and replica_step.wants_replica_xla(self, setting)
+    ):
+        step_function = functools.partial(replica_step.train_step, self)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
     # replica, that same reduce is the mean over replicas, shape unchanged.
     if _keras_trainer._collective_all_reduce_multi_worker(self.distribute_strategy):
         step_function = _with_replica_axis(step_function)
-    return type(self)._make_function(self, step_function)
+    # Keras's jit_compile puts the whole distributed step in one XLA
+    # computation, which fails with several replicas.
+    whole_step_xla = (setting is True or bool(self.jit_compile)) and not several
+    saved, self._jit_compile = self._jit_compile, whole_step_xla
+    try:
+        return type(self)._make_function(self, step_function)
+    finally:
+        self._jit_compile = saved
 
 
 def _with_replica_axis(step_function):
@@ -362,7 +389,7 @@ def _with_replica_axis(step_function):
 
 _REPLACEMENTS = {
     "_maybe_symbolic_build": _build_from_local_batch,
-    "_make_function": _make_function_per_replica_axis,
+    "_make_function": _make_function_prepared,
 }
 
 

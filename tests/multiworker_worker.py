@@ -116,6 +116,8 @@ def train(strategy, prepare=True, accumulation=None) -> dict:
         "loss": history.history["loss"],
         "eval_loss": eval_loss,
         "all_reduces": int(strategy.experimental_local_results(calls)[0].numpy()),
+        # kmp.replica_step's XLA functions, one per local replica (prepare's default).
+        "xla_per_replica": len(vars(model).get("_kmp_replica_steps", {})),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
             **{k: int(getattr(opt, k).numpy()) for k in

@@ -139,6 +139,9 @@ def test_fit_still_fails_with_only_the_symbolic_build_fixed(workers):
 def test_workers_end_with_identical_weights_and_loss_scale_state(workers):
     first, second = workers
     assert first["optimizer"] == "LossScaleOptimizer"
+    # prepare() compiled each worker's forward/backward pass with XLA.
+    assert first["xla_per_replica"] == second["xla_per_replica"] == 1
+    assert first["accumulated"]["xla_per_replica"] == 1
     assert first["state"] == second["state"]
     assert first["loss"] == second["loss"]
     assert first["eval_loss"] == second["eval_loss"]

@@ -1,0 +1,116 @@
+"""fit()'s train step with XLA per replica, for a model prepared by kmp.
+
+Keras compiles a step function with XLA whole or not at all. Under a
+strategy with several replicas `jit_compile="auto"` turns XLA off, and
+`jit_compile=True` fails, because the step holds every replica's work and
+its cross-device parts ("Trying to access resource dense/kernel/replica_1
+located in device CPU:1 from device CPU:0"). A prepared model's train step
+(`kmp.prepare(model)`) compiles the per-replica parts only, on each replica:
+
+    values = this replica's copy of every model and metric variable
+    grads, y_pred, loss, writes = forward_backward(values, scale, data)  # XLA
+    variable.assign(w) for each write   # BatchNorm statistics, dropout seeds:
+                                        # as Keras assigns them in replica context
+    optimizer.apply(grads)              # kmp: one all-reduce (not in XLA), then
+                                        # kmp.fused's XLA update per replica
+    loss tracker and metrics            # as Keras's train_step
+
+`forward_backward` is Keras's forward pass and loss inside a StatelessScope:
+variables are read from the values passed in and writes are returned, so
+nothing inside XLA touches a distributed variable or calls merge_call. It is
+traced once per replica (keyed like kmp.fused), so anything read that is not
+passed in is still this replica's own copy.
+
+Measured on two logical CPUs (benchmarks/p1_p2_step_time.py): see docs/xla.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+JIT_CHOICES = ("auto", True, False)
+
+
+def wants_replica_xla(model: keras.Model, setting) -> bool:
+    """Whether `fit()` should use the per-replica XLA train step for `model` now."""
+    if setting is False or model.run_eagerly:
+        return False
+    if tf.distribute.get_strategy().num_replicas_in_sync < 2 and model.distribute_strategy.num_replicas_in_sync < 2:
+        return False
+    if setting == "auto":
+        from keras.src.trainers.trainer import model_supports_jit
+
+        return bool(model_supports_jit(model))
+    return True
+
+
+@tf.autograph.experimental.do_not_convert
+def train_step(model: keras.Model, data):
+    """Keras's `train_step`, with the forward/backward pass under XLA on this replica."""
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    if model.optimizer is None:
+        raise ValueError("The model has no optimizer: call model.compile(optimizer=...) before fit().")
+    if not model.trainable_variables:
+        warnings.warn("The model does not have any trainable weights.")
+        return TensorFlowTrainer.train_step(model, data)
+    trainable = model.trainable_variables
+    others = model.non_trainable_variables + model.metrics_variables
+    values = [tf.convert_to_tensor(v.value) for v in trainable]
+    other_values = [tf.convert_to_tensor(v.value) for v in others]
+    # The loss-scale factor, read here (replica context), applied inside as
+    # Keras's scale_loss does: loss * scale.
+    scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
+    grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
+    for index, value in writes.items():
+        others[int(index)].assign(value)
+    model._loss_tracker.update_state(
+        loss_module.unscale_loss_for_distribution(loss),
+        sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+    )
+    model.optimizer.apply(grads, trainable)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _compiled(model):
+    """The XLA forward/backward function of this model on this replica (one per replica)."""
+    strategy = tf.distribute.get_strategy()
+    context = tf.distribute.get_replica_context()
+    replica = 0 if context is None else tf.get_static_value(context.replica_id_in_sync_group)
+    replica = None if replica is None else int(replica)  # None: one function, values passed in only
+    cache = model.__dict__.setdefault("_kmp_replica_steps", {})
+    key = (id(strategy), replica)
+    if key not in cache:
+        cache[key] = tf.function(
+            lambda *args: _forward_backward(model, *args), jit_compile=True, reduce_retracing=True
+        )
+    return cache[key]
+
+
+def _forward_backward(model, values, other_values, scale, x, y, sample_weight):
+    trainable = model.trainable_variables
+    others = model.non_trainable_variables + model.metrics_variables
+    mapping = list(zip(trainable, values)) + list(zip(others, other_values))
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            entered = dict(scope.state_mapping)  # the scope's own copies of the values
+            kwargs = {"training": True} if model._call_has_training_arg else {}
+            y_pred = model(x, **kwargs)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        scaled = loss * tf.cast(scale, loss.dtype)
+    grads = tape.gradient(scaled, values)
+    # Only the variables the step wrote come back; the others keep their value.
+    writes = {}
+    for k, variable in enumerate(others):
+        after = scope.get_current_value(variable)
+        if after is not entered[id(variable)]:
+            writes[str(k)] = after
+    return grads, y_pred, loss, writes

@@ -1,0 +1,161 @@
+"""kmp.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import replica_step
+from kmp.errors import ConfigError
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(64, 6)).astype("float32")
+Y = (X[:, :1] * 2 - X[:, 1:2]).astype("float32")
+
+
+def _model(extra_layers=(), regularizer=None, accumulation=None, jit_compile="auto"):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer)(inputs)
+    for layer in extra_layers:
+        hidden = layer()(hidden)
+    outputs = kmp.float32_output(keras.layers.Dense(1)(hidden))
+    model = keras.Model(inputs, outputs)
+    optimizer = kmp.wrap(keras.optimizers.Adam(0.01), log_overflows=False,
+                         **({"gradient_accumulation_steps": accumulation} if accumulation else {}))
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile)
+    return model
+
+
+def _fit(strategy, policy="mixed_float16", prepare=None, epochs=2, **kwargs):
+    keras.config.set_dtype_policy(policy)
+    with strategy.scope():
+        model = _model(**kwargs)
+    if prepare is not None:
+        kmp.prepare(model, jit_compile=prepare)
+    history = model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return model, history.history
+
+
+def _replicas_identical(strategy, variables):
+    for variable in variables:
+        first, second = strategy.experimental_local_results(variable.value)
+        np.testing.assert_array_equal(first.numpy(), second.numpy(), err_msg=variable.path)
+
+
+def test_xla_per_replica_trains_like_keras_without_xla(two_replicas):
+    plain, plain_history = _fit(two_replicas, prepare=False)
+    xla, xla_history = _fit(two_replicas, prepare="auto")
+    assert set(vars(xla)["_kmp_replica_steps"]) == {(id(two_replicas), 0), (id(two_replicas), 1)}
+    assert "_kmp_replica_steps" not in vars(plain)
+    for a, b in zip(plain.get_weights(), xla.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(plain_history["loss"], xla_history["loss"], rtol=2e-3)
+    np.testing.assert_allclose(plain_history["mae"], xla_history["mae"], rtol=2e-3)
+    _replicas_identical(two_replicas, xla.variables)
+    assert int(xla.optimizer.iterations.numpy()) == 8
+
+
+def test_the_compiled_function_is_xla_and_captures_no_variable(two_replicas):
+    model, _ = _fit(two_replicas, prepare=True, epochs=1)
+    for function in vars(model)["_kmp_replica_steps"].values():
+        (concrete,) = function._list_all_concrete_functions_for_serialization() or [None]
+        assert concrete is not None
+        assert concrete.graph.as_graph_def() is not None
+        assert function._jit_compile
+        # Values come in as arguments: nothing inside reads a distributed variable.
+        assert not [t for t in concrete.captured_inputs if t.dtype == tf.resource]
+
+
+def test_kerass_own_jit_compile_true_fails_under_a_strategy_and_works_prepared(two_replicas):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        stock = _model(jit_compile=True)
+    with pytest.raises(Exception, match="located in device"):
+        stock.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    model, history = _fit(two_replicas, policy="float32", prepare="auto", jit_compile=True)
+    assert np.isfinite(history["loss"]).all() and history["loss"][-1] < history["loss"][0]
+    assert len(vars(model)["_kmp_replica_steps"]) == 2
+
+
+def test_batchnorm_statistics_are_written_back_as_keras_writes_them(two_replicas):
+    plain, _ = _fit(two_replicas, policy="float32", prepare=False, extra_layers=[keras.layers.BatchNormalization])
+    xla, _ = _fit(two_replicas, policy="float32", prepare="auto", extra_layers=[keras.layers.BatchNormalization])
+    moving_mean = next(v for v in xla.non_trainable_variables if v.path.endswith("moving_mean"))
+    assert np.abs(moving_mean.numpy()).max() > 0  # updated from 0
+    # Keras keeps each replica's own statistics (its variables are not
+    # synchronized); each replica's copy must match stock Keras's.
+    local = lambda v: [t.numpy() for t in two_replicas.experimental_local_results(v.value)]
+    for ours, theirs in zip(xla.non_trainable_variables, plain.non_trainable_variables, strict=True):
+        for a, b in zip(local(ours), local(theirs), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=ours.path)
+
+
+def test_dropout_seeds_advance_as_keras_advances_them(two_replicas):
+    """XLA draws other random numbers from the same seed (TensorFlow does not promise
+    equal streams across XLA), so only the seed state is compared."""
+    dropout = [lambda: keras.layers.Dropout(0.3)]
+    plain, _ = _fit(two_replicas, policy="float32", prepare=False, extra_layers=dropout)
+    xla, history = _fit(two_replicas, policy="float32", prepare="auto", extra_layers=dropout)
+    (seed,) = [v for v in xla.non_trainable_variables if "seed" in v.path]
+    (stock_seed,) = [v for v in plain.non_trainable_variables if "seed" in v.path]
+    np.testing.assert_array_equal(seed.numpy(), stock_seed.numpy())
+    assert np.isfinite(history["loss"]).all()
+    _replicas_identical(two_replicas, xla.trainable_variables)
+
+
+def test_regularization_losses_reach_the_compiled_loss(two_replicas):
+    l2 = keras.regularizers.L2(0.5)
+    _, plain = _fit(two_replicas, policy="float32", prepare=False, regularizer=l2, epochs=1)
+    _, xla = _fit(two_replicas, policy="float32", prepare="auto", regularizer=l2, epochs=1)
+    _, unregularized = _fit(two_replicas, policy="float32", prepare="auto", epochs=1)
+    np.testing.assert_allclose(plain["loss"], xla["loss"], rtol=1e-5)
+    assert xla["loss"][0] > unregularized["loss"][0] + 0.1
+
+
+def test_accumulation_with_xla_per_replica_equals_one_big_batch(two_replicas):
+    """Issue 4 under XLA: 2 micro-batches of 16 per step vs batches of 32, SGD-free Adam in float32."""
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        big = _model()
+    kmp.prepare(big)
+    big.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    accumulated, _ = _fit(two_replicas, policy="float32", prepare="auto", accumulation=2)
+    assert int(accumulated.optimizer.iterations.numpy()) == int(big.optimizer.iterations.numpy()) == 4
+    for a, b in zip(big.get_weights(), accumulated.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_switches(two_replicas):
+    off, _ = _fit(two_replicas, policy="float32", prepare=False, epochs=1)
+    assert "_kmp_replica_steps" not in vars(off)
+    with pytest.raises(ConfigError, match='jit_compile: expected "auto", True or False'):
+        kmp.prepare(off, jit_compile="yes")
+
+
+def test_a_custom_train_step_is_kept(two_replicas):
+    class Custom(keras.Model):
+        calls = 0
+
+        def train_step(self, data):
+            Custom.calls += 1
+            return super().train_step(data)
+
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        inputs = keras.Input((6,))
+        model = Custom(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+    kmp.prepare(model)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert Custom.calls > 0 and "_kmp_replica_steps" not in vars(model)
+
+
+def test_one_device_leaves_keras_in_charge():
+    keras.config.set_dtype_policy("float32")
+    model = _model()
+    assert not replica_step.wants_replica_xla(model, True)
+    kmp.prepare(model, jit_compile=True)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert "_kmp_replica_steps" not in vars(model)
