@@ -31,39 +31,9 @@ The factors, as DeepSpeed defines them for its `communication_data_type`,
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import tensorflow as tf
 
-from kmp.errors import Problem, check
-
-COMMUNICATION_DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass(frozen=True)
-class Communication:
-    """How gradients cross replicas (defaults: float32, one bucket, no extra factor)."""
-
-    dtype: str = "float32"
-    bytes_per_pack: int = 0
-    predivide_factor: float | None = None
-
-    def problems(self, prefix: str = "") -> list[Problem]:
-        out = []
-        if self.dtype not in COMMUNICATION_DTYPES:
-            out.append(Problem(f"{prefix}dtype", f"one of {', '.join(COMMUNICATION_DTYPES)}", self.dtype))
-        if not isinstance(self.bytes_per_pack, int) or isinstance(self.bytes_per_pack, bool) or self.bytes_per_pack < 0:
-            out.append(Problem(f"{prefix}bytes_per_pack", "an integer >= 0 (0: one bucket)", self.bytes_per_pack))
-        f = self.predivide_factor
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
-            out.append(Problem(f"{prefix}predivide_factor", "None or a finite number > 0", f))
-        return out
-
-    def validated(self, source: str = "kmp communication settings") -> "Communication":
-        check(self.problems(), source)
-        return self
-
+from kmp.config import COMMUNICATION_DTYPES, Communication  # noqa: F401  (re-exported)
 
 def all_reduce_sum(grads: list, communication: Communication | None = None, loss_scale=None) -> list:
     """Sums gradients across replicas, one collective per bucket; `None`s pass through.

@@ -118,6 +118,33 @@ class LossScaleConfig:
         return self
 
 
+COMMUNICATION_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Communication:
+    """How gradients cross replicas (kmp.communication): float32, one bucket, no extra factor by default."""
+
+    dtype: str = "float32"
+    bytes_per_pack: int = 0
+    predivide_factor: float | None = None
+
+    def problems(self, prefix: str = "") -> list[Problem]:
+        out = []
+        if self.dtype not in COMMUNICATION_DTYPES:
+            out.append(Problem(f"{prefix}dtype", f"one of {', '.join(COMMUNICATION_DTYPES)}", self.dtype))
+        if not _is_int(self.bytes_per_pack) or self.bytes_per_pack < 0:
+            out.append(Problem(f"{prefix}bytes_per_pack", "an integer >= 0 (0: one bucket)", self.bytes_per_pack))
+        f = self.predivide_factor
+        if f is not None and (not _is_number(f) or not math.isfinite(f) or f <= 0):
+            out.append(Problem(f"{prefix}predivide_factor", "None or a finite number > 0", f))
+        return out
+
+    def validated(self, source: str = "kmp communication settings") -> "Communication":
+        check(self.problems(), source)
+        return self
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole kmp training setup, as read from a DeepSpeed-style config.
@@ -134,12 +161,23 @@ class Config:
     micro_batch_size: int | None = None
     gradient_accumulation_steps: int | None = None
     strategy: StrategyName = "auto"
+    # The all-reduce (DeepSpeed's names; see communication()).
+    communication_data_type: str = "float32"
+    prescale_gradients: bool | None = None
+    gradient_predivide_factor: float | None = None
+    allreduce_bytes_per_pack: int = 0
 
     def problems(self, paths: dict[str, str] | None = None) -> list[Problem]:
         p = {f.name: f.name for f in dataclasses.fields(self)} | (paths or {})
         out: list[Problem] = []
         _choice(p["precision"], self.precision, PRECISIONS, out)
         _choice(p["strategy"], self.strategy, STRATEGIES, out)
+        _choice(p["communication_data_type"], self.communication_data_type, COMMUNICATION_DTYPES, out)
+        if self.prescale_gradients is not None:
+            _bool(p["prescale_gradients"], self.prescale_gradients, out)
+        if self.gradient_predivide_factor is not None:
+            _positive_number(p["gradient_predivide_factor"], self.gradient_predivide_factor, out)
+        _int_at_least(p["allreduce_bytes_per_pack"], self.allreduce_bytes_per_pack, 0, out)
         if self.gradient_clipping is not None:
             _positive_number(p["gradient_clipping"], self.gradient_clipping, out)
         for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
@@ -151,6 +189,23 @@ class Config:
         scale_paths = {f.name: f"loss_scale.{f.name}" for f in dataclasses.fields(LossScaleConfig)}
         scale_paths |= {k[len("loss_scale."):]: v for k, v in p.items() if k.startswith("loss_scale.")}
         return out + self.loss_scale.problems(scale_paths)
+
+    def communication(self) -> Communication:
+        """The all-reduce settings, with DeepSpeed's meaning of its two scaling keys.
+
+        kmp's gradients are already divided by the replica count (through the
+        loss) before the all-reduce: DeepSpeed's `prescale_gradients: true`.
+        With `prescale_gradients: false` DeepSpeed divides by
+        `gradient_predivide_factor` (default 1.0) before and by N/factor
+        after, which kmp reproduces. When neither key is given kmp keeps its
+        own order (DeepSpeed's default would be false): a different rounding
+        of the same sum, and no extra pass over the gradients.
+        """
+        prescale = self.prescale_gradients
+        if prescale is None:
+            prescale = self.gradient_predivide_factor is None
+        factor = None if prescale else (self.gradient_predivide_factor or 1.0)
+        return Communication(self.communication_data_type, self.allreduce_bytes_per_pack, factor)
 
     def validated(self, source: str = "kmp config") -> "Config":
         check(self.problems(), source)

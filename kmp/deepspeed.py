@@ -96,6 +96,9 @@ class _Key:
     note: str = ""  # added to range problems, formatted with the JSON value
 
 
+# DeepSpeed's names of communication_data_type -> kmp's (TensorFlow's).
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+_COMMUNICATION_DTYPE = ("one of 'fp32', 'fp16', 'bf16'", lambda v: v in _DTYPE_NAMES)
 _STRATEGY = ("one of " + ", ".join(repr(s) for s in STRATEGIES), lambda v: isinstance(v, str))
 
 DEEPSPEED_KEYS: tuple[_Key, ...] = (
@@ -121,6 +124,12 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("kmp.growth_factor", "loss_scale.growth_factor", _NUMBER, float),
     _Key("kmp.backoff_factor", "loss_scale.backoff_factor", _NUMBER, float),
     _Key("kmp.strategy", "strategy", _STRATEGY),
+    _Key("communication_data_type", "communication_data_type", _COMMUNICATION_DTYPE,
+         lambda v: _DTYPE_NAMES[v], lambda d: {t: k for k, t in _DTYPE_NAMES.items()}.get(d, d)),
+    _Key("prescale_gradients", "prescale_gradients", _BOOL),
+    _Key("gradient_predivide_factor", "gradient_predivide_factor", _NUMBER, float),
+    _Key("kmp.allreduce_bytes_per_pack", "allreduce_bytes_per_pack", ("an integer >= 0 (0: one bucket)",
+         lambda v: _is_int(v) and v >= 0)),
 )
 
 _BLOCKS = ("fp16", "bf16", "kmp")
@@ -131,8 +140,7 @@ _IGNORED: dict[str, list[str]] = {
     "": """zero_optimization optimizer scheduler steps_per_print wall_clock_breakdown memory_breakdown
         dump_state activation_checkpointing flops_profiler autotuning tensorboard wandb csv_monitor comet
         trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
-        communication_data_type seq_parallel_communication_data_type prescale_gradients
-        gradient_predivide_factor gradient_allreduce_op sparse_gradients disable_allgather data_types
+        seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather data_types
         checkpoint aio elasticity compression_training quantize_training data_efficiency
         curriculum_learning sparse_attention pipeline progressive_layer_drop eigenvalue hybrid_engine
         dataloader_drop_last vocabulary_size graph_harvesting weight_quantization compile timers

@@ -105,14 +105,24 @@ def fused_apply(optimizer, grads, variables=None) -> None:
     reason).
     """
     grads = list(grads)
-    step, reason = None, fused_support(optimizer)
-    if reason is None:
-        step, reason = _step_for(optimizer, grads, variables)
+    step, reason = fused_step(optimizer, grads, variables)
     if reason is not None:
         _note(optimizer, reason)
         optimizer.apply(grads, variables)
         return
     step(grads)
+
+
+def fused_step(optimizer, grads, variables=None):
+    """(a callable `step(grads)` doing the fused update here, None), or (None, why not).
+
+    The step touches only this replica's own variables and needs no
+    cross-replica context: callers may run it inside a replica-context cond.
+    """
+    reason = fused_support(optimizer)
+    if reason is not None:
+        return None, reason
+    return _step_for(optimizer, list(grads), variables)
 
 
 # --- Caches: one compiled step per optimizer, settings, variables, replica ---

@@ -40,7 +40,7 @@ from kmp import loss_scale
 from kmp.communication import Communication, all_reduce_sum
 from kmp.config import LossScaleConfig
 from kmp.errors import LossScaleError, Problem, check
-from kmp.fused import fused_apply
+from kmp.fused import fused_apply, fused_step
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "overflows", "skipped_steps")
 
@@ -263,7 +263,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             *grads, total = self._all_reduce(grads + [weight])
             grads = [g / total for g in grads]
         finite = all_finite(grads)
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        step, _ = fused_step(self.inner_optimizer, grads, trainable_variables) if self.fused else (None, None)
+        if step is not None:
+            # The fused update and the state variables (aggregation "none":
+            # each replica writes its own copy) need no cross-replica context,
+            # and every replica takes the same branch from the same gradients.
+            ops.cond(finite, lambda: step(grads), lambda: None)
+            self._adjust(finite)
+        elif tf.__internal__.distribute.strategy_supports_no_merge_call():
             ops.cond(finite, lambda: self._apply_inner(grads, trainable_variables), lambda: None)
             self._adjust(finite)
         else:

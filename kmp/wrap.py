@@ -32,7 +32,7 @@ from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
 _TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps")
-_OPTIMIZER_FIELDS = ("log_overflows",)
+_OPTIMIZER_FIELDS = ("log_overflows", "fused", "communication")
 
 
 def wrap(optimizer, config=None, *, precision=None, **overrides):
@@ -63,6 +63,7 @@ def wrap(optimizer, config=None, *, precision=None, **overrides):
     steps = _accumulation_steps(settings, replicas)
     if steps is not None:
         extra["gradient_accumulation_steps"] = steps
+    extra.setdefault("communication", settings.communication())
     if chosen.needs_loss_scaling:
         return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
     if replicas > 1 or steps is not None:

@@ -174,6 +174,11 @@ MAPPING = [
     ({"kmp": {"growth_factor": 4}}, "loss_scale.growth_factor", 4.0),
     ({"kmp": {"backoff_factor": 0.25}}, "loss_scale.backoff_factor", 0.25),
     ({"kmp": {"strategy": "mirrored"}}, "strategy", "mirrored"),
+    ({"communication_data_type": "bf16"}, "communication_data_type", "bfloat16"),
+    ({"communication_data_type": "fp16"}, "communication_data_type", "float16"),
+    ({"prescale_gradients": False}, "prescale_gradients", False),
+    ({"gradient_predivide_factor": 4}, "gradient_predivide_factor", 4.0),
+    ({"kmp": {"allreduce_bytes_per_pack": 2**20}}, "allreduce_bytes_per_pack", 2**20),
 ]
 
 
@@ -350,6 +355,19 @@ def test_known_deepspeed_keys_kmp_ignores_give_one_warning():
     assert config.precision == "fp16"
 
 
+@pytest.mark.parametrize("given,factor", [
+    ({}, None),  # kmp's order: gradients already averaged through the loss
+    ({"prescale_gradients": True}, None),
+    ({"prescale_gradients": True, "gradient_predivide_factor": 8}, None),  # DeepSpeed ignores it then
+    ({"prescale_gradients": False}, 1.0),  # DeepSpeed: sum raw gradients, divide by N after
+    ({"gradient_predivide_factor": 8}, 8.0),
+])
+def test_communication_follows_deepspeeds_scaling_keys(given, factor):
+    communication = _load_quietly({**given, "communication_data_type": "fp16"}).communication()
+    assert communication.predivide_factor == factor
+    assert communication.dtype == "float16" and communication.bytes_per_pack == 0
+
+
 def test_no_warning_when_nothing_is_ignored():
     _load_quietly(FULL)
 
@@ -361,6 +379,8 @@ ROUND_TRIP = [
     Config(loss_scale=DEEPSPEED_LOSS_SCALE),
     Config(precision="fp16", loss_scale=LossScaleConfig(static_scale=128.0)),
     Config(precision="bf16", gradient_clipping=0.5, train_batch_size=256, micro_batch_size=16),
+    Config(communication_data_type="float16", prescale_gradients=False, gradient_predivide_factor=2.0,
+           allreduce_bytes_per_pack=4096),
     Config(precision="fp16", gradient_accumulation_steps=4, micro_batch_size=2, loss_scale=LossScaleConfig(
         initial_scale=1.0, dynamic_growth_steps=7, hysteresis=5, consecutive_hysteresis=True, min_scale=0.125,
         max_scale=2.0**30, raise_at_min_scale=False, growth_rule="after_window", growth_factor=4.0,
