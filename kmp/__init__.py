@@ -5,7 +5,7 @@
 """
 
 from kmp import callbacks, distribute
-from kmp.config import Config, LossScaleConfig
+from kmp.config import Communication, Config, LossScaleConfig
 from kmp.distribute import prepare, resolve_strategy
 from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.errors import ConfigError, KmpError, LossScaleError
@@ -24,6 +24,7 @@ from kmp.wrap import wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "Communication",
     "Config",
     "ConfigError",
     "Hardware",

@@ -63,6 +63,24 @@ def test_an_overflow_in_any_micro_batch_skips_the_window_and_clears_it():
     assert int(opt.iterations.numpy()) == 1
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("clip", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0}, {"clipvalue": 1.0}])
+def test_clipping_applies_once_to_the_window_mean(clip, fused):
+    """Micro-gradients 3 and -1: their mean 1 is not clipped, so the weight moves by 1.
+    Clipping each micro-batch (to 1 and -1) would average to 0 and not move it."""
+    v = [keras.Variable(np.zeros(1, "float32"))]
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0, **clip), static_scale=1.0, gradient_accumulation_steps=2,
+                             fused=fused)
+    opt.apply([tf.constant([3.0])], v)
+    np.testing.assert_array_equal(v[0].numpy(), [0.0])  # nothing moves inside the window
+    opt.apply([tf.constant([-1.0])], v)
+    np.testing.assert_allclose(v[0].numpy(), [-1.0])
+    # And a window whose mean is above the norm is clipped once: mean 5 -> 1.
+    opt.apply([tf.constant([6.0])], v)
+    opt.apply([tf.constant([4.0])], v)
+    np.testing.assert_allclose(v[0].numpy(), [-2.0])
+
+
 def test_schedule_weight_decay_and_ema_tick_once_per_window():
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.01])
 

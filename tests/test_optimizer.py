@@ -345,3 +345,44 @@ def test_fit_under_mirrored_strategy_keeps_replicas_identical(two_replicas):
     for variable in model.trainable_variables:
         first, second = two_replicas.experimental_local_results(variable.value)
         np.testing.assert_array_equal(first.numpy(), second.numpy())
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_no_merge_call_path_for_tpu_like_strategies(two_replicas, monkeypatch, accumulation):
+    """TPUStrategy (and MirroredStrategy on NCCL GPUs) run without merge_call. This
+    machine has neither, so MirroredStrategy is switched to its own no-merge-call
+    mode for this test: kmp's step must then never call merge_call, and still
+    reduce once, skip overflows everywhere and keep the replicas identical."""
+    from tensorflow.python.distribute import distribute_lib
+
+    monkeypatch.setattr(two_replicas.extended, "_use_merge_call", lambda: False)
+    merges = []
+    real_merge_call = distribute_lib.ReplicaContext.merge_call
+    monkeypatch.setattr(distribute_lib.ReplicaContext, "merge_call",
+                        lambda self, *a, **k: merges.append(1) or real_merge_call(self, *a, **k))
+    with two_replicas.scope():
+        weight = keras.Variable(np.zeros(2, "float32"))
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1.0, global_clipnorm=10.0), initial_scale=4.0,
+                                 gradient_accumulation_steps=accumulation, log_overflows=False)
+        opt.build([weight])
+    with two_replicas.scope():
+        assert tf.__internal__.distribute.strategy_supports_no_merge_call()  # the switched mode
+
+    @tf.function
+    def step(per_replica):
+        def fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            opt.apply([tf.switch_case(rid, [lambda g=g: tf.constant(g) for g in per_replica])], [weight])
+
+        two_replicas.run(fn)
+
+    windows = accumulation or 1
+    for _ in range(windows):
+        step([[4.0, 8.0], [12.0, 0.0]])  # summed (16, 8), unscaled by 4: (4, 2)
+    for _ in range(windows):
+        step([[float("inf"), 8.0], [12.0, 0.0]])  # an inf on replica 0 only
+    assert merges == []
+    for value in two_replicas.experimental_local_results(weight.value):
+        np.testing.assert_array_equal(value.numpy(), [-4.0, -2.0])
+    assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 1
+    assert float(opt.dynamic_scale.numpy()) == 2.0

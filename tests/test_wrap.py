@@ -88,6 +88,16 @@ def test_overrides_and_their_errors():
     assert "Did you mean 'hysteresis'?" in text
 
 
+def test_communication_and_fused_reach_the_optimizer():
+    config = {"fp16": {"enabled": True}, "communication_data_type": "bf16", "kmp": {"allreduce_bytes_per_pack": 4096}}
+    opt = kmp.wrap(keras.optimizers.SGD(), config, precision="mixed_float16")
+    assert opt.communication == kmp.Communication("bfloat16", 4096, None)
+    assert opt.fused is True
+    mine = kmp.Communication(dtype="float16")
+    opt = kmp.wrap(keras.optimizers.SGD(), config, precision="mixed_float16", communication=mine, fused=False)
+    assert opt.communication == mine and opt.fused is False  # arguments win over the config
+
+
 def test_clipping_in_two_places_is_an_error():
     with pytest.raises(kmp.ConfigError, match=r"optimizer already clips \(clipnorm=1.0\)"):
         kmp.wrap(keras.optimizers.SGD(clipnorm=1.0), {"gradient_clipping": 0.5})
