@@ -21,7 +21,8 @@ nothing inside XLA touches a distributed variable or calls merge_call. It is
 traced once per replica (keyed like kmp.fused), so anything read that is not
 passed in is still this replica's own copy.
 
-Measured on two logical CPUs (benchmarks/p1_p2_step_time.py): see docs/xla.md.
+Measured on two logical CPUs (benchmarks/p1_p2_step_time.py, p1_parts.py):
+see docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -35,21 +36,16 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers.trainer import model_supports_jit
 
 JIT_CHOICES = ("auto", True, False)
 
 
 def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
-    if setting is False or model.run_eagerly:
+    if setting is False or model.run_eagerly or model.distribute_strategy.num_replicas_in_sync < 2:
         return False
-    if tf.distribute.get_strategy().num_replicas_in_sync < 2 and model.distribute_strategy.num_replicas_in_sync < 2:
-        return False
-    if setting == "auto":
-        from keras.src.trainers.trainer import model_supports_jit
-
-        return bool(model_supports_jit(model))
-    return True
+    return setting is True or bool(model_supports_jit(model))
 
 
 @tf.autograph.experimental.do_not_convert
