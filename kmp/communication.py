@@ -54,12 +54,15 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
         pre = scale if pre is None else pre * scale
     times = (lambda g: g) if pre is None else (lambda g: g * pre)
 
+    # TensorFlow's collectives pack by the same size (MultiWorkerMirrored);
+    # a bucket is already within it, so this only keeps TF from re-splitting.
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=communication.bytes_per_pack)
     out = list(grads)
     flat = [i for i, g in enumerate(grads) if _flattenable(g)]
     for bucket in _buckets([grads[i] for i in flat], dtype.size, communication.bytes_per_pack):
         members = [flat[k] for k in bucket]
         buffer = tf.concat([tf.reshape(times(grads[i]), [-1]) for i in members], axis=0)
-        buffer = tf.cast(ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(buffer, dtype)), tf.float32)
+        buffer = tf.cast(ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(buffer, dtype), options), tf.float32)
         if pre is not None:
             buffer = buffer / pre
         sizes = [grads[i].shape.num_elements() for i in members]
@@ -67,7 +70,7 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
             out[i] = tf.reshape(part, grads[i].shape)
     others = [i for i, g in enumerate(grads) if g is not None and i not in set(flat)]
     if others:
-        for i, reduced in zip(others, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in others])):
+        for i, reduced in zip(others, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in others], options)):
             out[i] = reduced
     return out
 

@@ -324,6 +324,8 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
               "kmp.distribute.prepare arguments")
     if jit_compile not in replica_step.JIT_CHOICES:
         check([Problem("jit_compile", '"auto", True or False', jit_compile)], "kmp.distribute.prepare arguments")
+    if getattr(model, "_kmp_jit_compile", jit_compile) != jit_compile:
+        model.train_function = None  # built with the old setting: rebuild at the next fit()
     model._kmp_jit_compile = jit_compile
     if is_prepared(model):
         return model

@@ -130,6 +130,9 @@ def test_accumulation_with_xla_per_replica_equals_one_big_batch(two_replicas):
 def test_switches(two_replicas):
     off, _ = _fit(two_replicas, policy="float32", prepare=False, epochs=1)
     assert "_kmp_replica_steps" not in vars(off)
+    kmp.prepare(off, jit_compile="auto")  # after a fit: the next fit rebuilds its step
+    off.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    assert len(vars(off)["_kmp_replica_steps"]) == 2
     with pytest.raises(ConfigError, match='jit_compile: expected "auto", True or False'):
         kmp.prepare(off, jit_compile="yes")
 
