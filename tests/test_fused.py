@@ -408,9 +408,10 @@ def test_fused_and_unfused_fit_agree_after_mixed_precision_steps(two_replicas, d
             model.compile(optimizer=opt, loss="mse")
         initial = model.get_weights()
         model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)  # 18 steps, the scale grows
-        results.append((model.get_weights(), float(opt.dynamic_scale.numpy()), int(opt.iterations.numpy())))
-    (fused_weights, fused_scale, fused_steps), (keras_weights, keras_scale, keras_steps) = results
-    assert (fused_scale, fused_steps) == (keras_scale, keras_steps) and fused_steps == 18
+        state = (float(opt.dynamic_scale.numpy()), int(opt.iterations.numpy()), int(opt.skipped_steps.numpy()))
+        results.append((model.get_weights(), state))
+    (fused_weights, fused_state), (keras_weights, keras_state) = results
+    assert fused_state == keras_state and sum(fused_state[1:]) == 18  # same skips, same growth
     for a, b in zip(fused_weights, keras_weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.allclose(fused_weights[0], initial[0], atol=1e-3)  # the parity is not vacuous
