@@ -8,11 +8,13 @@
             grads = split(float32(flat) * post)
         other gradients (sparse, float8 overwrite-with-gradient) one by one
 
-Why flat buckets: under MirroredStrategy TensorFlow reduces every tensor of a
-list separately (ReductionToOneDevice on CPUs: a copy and an add per
-variable); one buffer per bucket is one transfer, as DeepSpeed's
-`allreduce_bucket_size` does. MultiWorkerMirroredStrategy's collectives pack
-the same way.
+Why flat buckets: they make the bucket size the user's (DeepSpeed's
+allreduce bucket; TensorFlow's collectives pack the same way under
+MultiWorkerMirroredStrategy), they give every communication dtype one cast
+per bucket, and they keep the count of collectives per step at the number
+of buckets. Measured under MirroredStrategy on two logical CPUs (the P1
+MLP), one flat bucket took the same time as TensorFlow's own list all-reduce
+(25.0 vs 25.0 ms for forward/backward plus reduce): no speed claim here.
 
 The factors, as DeepSpeed defines them for its `communication_data_type`,
 `prescale_gradients` and `gradient_predivide_factor`:
