@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kmp.config import COMMUNICATION_DTYPES, Communication  # noqa: F401  (re-exported)
+from kmp.config import Communication
+
 
 def all_reduce_sum(grads: list, communication: Communication | None = None, loss_scale=None) -> list:
     """Sums gradients across replicas, one collective per bucket; `None`s pass through.
@@ -70,7 +71,8 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
         sizes = [grads[i].shape.num_elements() for i in members]
         for i, part in zip(members, tf.split(buffer, sizes)):
             out[i] = tf.reshape(part, grads[i].shape)
-    others = [i for i, g in enumerate(grads) if g is not None and i not in set(flat)]
+    bucketed = set(flat)
+    others = [i for i, g in enumerate(grads) if g is not None and i not in bucketed]
     if others:
         for i, reduced in zip(others, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in others], options)):
             out[i] = reduced

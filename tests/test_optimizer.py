@@ -1,7 +1,5 @@
 """kmp.LossScaleOptimizer: Keras parity, the spec, serialization, replicas."""
 
-import dataclasses
-
 import keras
 import numpy as np
 import pytest
