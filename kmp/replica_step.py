@@ -101,7 +101,7 @@ def _forward_backward(model, values, other_values, scale, x, y, sample_weight):
             kwargs = {"training": True} if model._call_has_training_arg else {}
             y_pred = model(x, **kwargs)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-        scaled = loss * tf.cast(scale, loss.dtype)
+        scaled = keras.ops.multiply(loss, scale)  # as Keras's scale_loss: float16 * float32 -> float32
     grads = tape.gradient(scaled, values)
     # Only the variables the step wrote come back; the others keep their value.
     writes = {}
