@@ -1,47 +1,36 @@
-"""Choosing a tf.distribute strategy, and preparing a Keras model for it.
+"""kmp.distribute: choosing a tf.distribute strategy, and kmp's distributed API.
 
-- `resolve_strategy("auto")` picks what the machine and the cluster call for:
+`resolve_strategy("auto")` picks what the machine and the cluster call for:
 
-      if a TPU cluster resolver is found:        TPUStrategy
-      elif TF_CONFIG names > 1 chief + worker:   MultiWorkerMirroredStrategy
-      elif more than one GPU:                    MirroredStrategy
-      else:                                      tf.distribute.get_strategy()
+    if a TPU cluster resolver is found:        TPUStrategy
+    elif TF_CONFIG names > 1 chief + worker:   MultiWorkerMirroredStrategy
+    elif more than one GPU:                    MirroredStrategy
+    else:                                      tf.distribute.get_strategy()
 
-  Every detection input (`tf_config=`, `tpu=`, `gpus=`) can be given, so each
-  branch is tested without the hardware. A config names the strategy under
-  `"kmp": {"strategy": ...}` (`strategy_from_config`).
-- `prepare(model)` lets `fit()`/`evaluate()` run under
-  MultiWorkerMirroredStrategy, where Keras 3.15 fails twice on TensorFlow
-  (keras-team/keras#20585): `_maybe_symbolic_build` all-reduces the first data
-  batch only to learn its shapes ("Attempt to convert a value (PerReplica:...)
-  to a Tensor", before the first step), and every step's logs are reduced
-  with `axis=0`, which fails for scalars. Only the given instance changes.
-- `tpu_settings(strategy, model)` gives what a TPU run should use: bfloat16,
-  `steps_per_execution`, and the layers whose sizes the matrix unit pads. No
-  TPU has run this code; its seams are unit-tested with fakes
-  (docs/distributed.md).
+Every detection input (`tf_config=`, `tpu=`, `gpus=`) can be given, so each
+branch is tested without the hardware. A config names the strategy under
+`"kmp": {"strategy": ...}` (`strategy_from_config`).
+
+The rest of the namespace lives in its own modules, re-exported here:
+`prepare(model)` (kmp.trainer: fit() under strategies, XLA per replica) and
+`tpu_settings(strategy, model)` (kmp.tpu: bfloat16, steps_per_execution, the
+sizes a TPU pads; never run on a TPU, seams unit-tested).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import types
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
-import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as _keras_trainer
 
-from kmp import replica_step
 from kmp.config import STRATEGIES, Config, StrategyName
 from kmp.deepspeed import load_config
 from kmp.errors import Problem, check, did_you_mean
-from kmp.precision import Hardware, Precision, check_hardware, resolve_precision
+from kmp.tpu import TPU_STEPS_PER_EXECUTION, TPU_TILE, TpuSettings, is_tpu_strategy, padded_sizes, tpu_settings
+from kmp.trainer import is_prepared, local_batch, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +39,7 @@ logger = logging.getLogger(__name__)
 # ParameterServerStrategy's, which kmp does not choose).
 _TASK_TYPES = ("chief", "worker", "evaluator")
 
-# TPU matrix units multiply 128 x 128 tiles (v2-v5); other sizes are padded.
-TPU_TILE = 128
-# Steps per tf.function call on TPU. Each call is a host -> TPU round trip of
-# a few milliseconds; a small model's step is shorter than that, so 32 steps a
-# call spend most of the time computing, while callbacks and the progress bar
-# still report often. Keras's and TensorFlow's TPU guides use 32-100.
-TPU_STEPS_PER_EXECUTION = 32
-
 TpuLike = Union[tf.distribute.cluster_resolver.ClusterResolver, Callable[[], Any], None]
-
-
-# --------------------------------------------------------------------------
-# Strategy resolution
-# --------------------------------------------------------------------------
 
 
 def resolve_strategy(
@@ -275,220 +251,6 @@ _BUILDERS: dict[str, Callable[..., tf.distribute.Strategy]] = {
     "multi_worker_mirrored": _build_multi_worker,
     "tpu": _build_tpu,
 }
-
-
-# --------------------------------------------------------------------------
-# prepare(model): fit() under MultiWorkerMirroredStrategy
-# --------------------------------------------------------------------------
-
-
-def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Model:
-    """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
-
-    Call it after creating the model (in the strategy's scope, as Keras
-    requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again only changes `jit_compile`. It changes this instance
-    only: other models, and Keras's classes, are untouched.
-
-    `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
-    "auto" or True compiles each replica's forward/backward pass with XLA
-    (kmp.replica_step; "auto" unless a layer does not support XLA), and the
-    all-reduce stays outside; False keeps Keras's step without XLA. Keras's
-    own `compile(jit_compile=True)`, which fails under a strategy, is turned
-    into the same. On one replica, True turns Keras's whole-step XLA on and
-    "auto"/False leave the compile() setting as it is.
-
-    Two of the instance's methods are replaced, each delegating to Keras's
-    (besides the XLA step above):
-
-    1. `_maybe_symbolic_build`: before the first step Keras builds the model,
-       metrics and optimizer from the shapes and dtypes of one data batch,
-       which it gets from the distributed first batch as
-
-           batch = strategy.reduce("MEAN", first_batch, axis=None)      # Keras
-           batch = strategy.experimental_local_results(first_batch)[0]  # prepared
-
-       Every replica's share of a global batch has the same shapes. Keras's
-       reduce fails across workers (keras-team/keras#20585), and it turns
-       integer labels into float64; one local replica's share needs no
-       communication and has the dtypes the train step will see.
-    2. `_make_function` (multi-worker only): Keras reduces each step's logs
-       with `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
-       loss. The step's outputs get a leading axis of 1, so that same reduce
-       is the mean over replicas and returns the original shape.
-    """
-    stock = getattr(type(model), "_maybe_symbolic_build", None)
-    if not isinstance(model, keras.Model) or stock is None:
-        check([Problem("model", "a keras.Model built by Keras's TensorFlow backend", type(model).__name__,
-                       "Pass the model itself, e.g. kmp.distribute.prepare(model).")],
-              "kmp.distribute.prepare arguments")
-    if jit_compile not in replica_step.JIT_CHOICES:
-        check([Problem("jit_compile", '"auto", True or False', jit_compile)], "kmp.distribute.prepare arguments")
-    if getattr(model, "_kmp_jit_compile", jit_compile) != jit_compile:
-        model.train_function = None  # built with the old setting: rebuild at the next fit()
-    model._kmp_jit_compile = jit_compile
-    if is_prepared(model):
-        return model
-    # Bound methods stored on the instance shadow the class's methods for
-    # this instance only (tests/test_distribute.py checks both).
-    for name, method in _REPLACEMENTS.items():
-        setattr(model, name, types.MethodType(method, model))
-    return model
-
-
-def is_prepared(model: keras.Model) -> bool:
-    """Whether `prepare(model)` was called on this instance."""
-    return all(
-        getattr(vars(model).get(name), "__func__", None) is method for name, method in _REPLACEMENTS.items()
-    )
-
-
-def _build_from_local_batch(self, iterator=None, data_batch=None):
-    # Keras's method skips its reduce when handed a batch instead of an
-    # iterator; hand it one replica's share of the first batch.
-    if iterator is not None and self._distribute_strategy is not None:
-        for _, _, batches in iterator:
-            data_batch = local_batch(self.distribute_strategy, next(batches))
-            break
-        iterator = None
-    return type(self)._maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-
-
-def _make_function_prepared(self, step_function):
-    setting = getattr(self, "_kmp_jit_compile", "auto")
-    several = self.distribute_strategy.num_replicas_in_sync > 1
-    # Only Keras's own train_step is swapped: a model's custom one is kept.
-    if (
-        getattr(step_function, "__func__", None) is _keras_trainer.TensorFlowTrainer.train_step
-        and replica_step.wants_replica_xla(self, setting)
-    ):
-        step_function = functools.partial(replica_step.train_step, self)
-    # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
-    # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
-    # scalars and averages a vector's entries. With a leading axis of 1 per
-    # replica, that same reduce is the mean over replicas, shape unchanged.
-    if _keras_trainer._collective_all_reduce_multi_worker(self.distribute_strategy):
-        step_function = _with_replica_axis(step_function)
-    # Keras's jit_compile puts the whole distributed step in one XLA
-    # computation, which fails with several replicas.
-    whole_step_xla = (setting is True or bool(self.jit_compile)) and not several
-    saved, self._jit_compile = self._jit_compile, whole_step_xla
-    try:
-        return type(self)._make_function(self, step_function)
-    finally:
-        self._jit_compile = saved
-
-
-def _with_replica_axis(step_function):
-    @functools.wraps(step_function)
-    def step(data):
-        return keras.tree.map_structure(
-            lambda v: tf.expand_dims(v, 0) if tf.is_tensor(v) else v, step_function(data)
-        )
-
-    return step
-
-
-_REPLACEMENTS = {
-    "_maybe_symbolic_build": _build_from_local_batch,
-    "_make_function": _make_function_prepared,
-}
-
-
-def local_batch(strategy: tf.distribute.Strategy, batch):
-    """The first local replica's part of a distributed batch; other batches as they are."""
-    leaves = keras.tree.flatten(batch)
-    if leaves and all(isinstance(v, tf.distribute.DistributedValues) for v in leaves):
-        return keras.tree.map_structure(lambda v: strategy.experimental_local_results(v)[0], batch)
-    return batch
-
-
-# --------------------------------------------------------------------------
-# TPU
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TpuSettings:
-    """What a TPU run should use. `advice` lists what the given model does differently."""
-
-    precision: Precision
-    steps_per_execution: int
-    advice: tuple[str, ...] = ()
-
-
-def is_tpu_strategy(strategy) -> bool:
-    """Keras's own test: a class named TPUStrategy* anywhere among its bases."""
-    return any(k.__name__.startswith("TPUStrategy") for k in type(strategy).__mro__)
-
-
-def tpu_settings(strategy, model: keras.Model | None = None) -> TpuSettings | None:
-    """TPU settings for `strategy`, or None when it is not a TPUStrategy.
-
-    Nothing global is changed; apply them yourself, before building the model:
-
-        settings = kmp.distribute.tpu_settings(strategy)
-        if settings:
-            kmp.set_precision(settings.precision)      # mixed_bfloat16
-        ... model.compile(..., steps_per_execution=settings.steps_per_execution)
-        kmp.distribute.tpu_settings(strategy, model)   # warns about padded sizes
-
-    With `model`, one UserWarning lists the layer sizes that are not
-    multiples of 128 (Dense units and input features, Conv filters and
-    input channels, Embedding output_dim), a steps_per_execution below the
-    recommendation, and a float16 policy (TPUs compute in bfloat16).
-    """
-    if not is_tpu_strategy(strategy):
-        return None
-    precision = resolve_precision("auto", hardware=Hardware("tpu"))
-    advice: list[str] = []
-    if model is not None:
-        advice += padded_sizes(model)
-        steps = getattr(model, "steps_per_execution", None)
-        if steps is not None and steps < TPU_STEPS_PER_EXECUTION:
-            advice.append(
-                f"steps_per_execution={steps}: each step is a host -> TPU round trip. "
-                f"Compile with steps_per_execution={TPU_STEPS_PER_EXECUTION}."
-            )
-        policy = keras.config.dtype_policy()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            check_hardware(policy, Hardware("tpu"))
-        advice += [str(w.message) for w in caught]
-    if advice:
-        lines = "\n".join(f"  - {a}" for a in advice)
-        warnings.warn(f"On TPU, this model runs slower than it could:\n{lines}", UserWarning, stacklevel=2)
-    return TpuSettings(precision, TPU_STEPS_PER_EXECUTION, tuple(advice))
-
-
-def padded_sizes(model: keras.Model, tile: int = TPU_TILE) -> list[str]:
-    """One line per Dense/Conv/Embedding size that is not a multiple of `tile`."""
-    out = []
-    for layer in _walk(model):
-        for what, size in _sizes(layer):
-            if size is not None and size % tile:
-                out.append(f"{layer.name} ({type(layer).__name__}): {what}={size} is not a multiple of {tile}")
-    return out
-
-
-def _walk(layer):
-    for child in getattr(layer, "layers", []):
-        yield child
-        yield from _walk(child)
-
-
-def _sizes(layer) -> list[tuple[str, int | None]]:
-    kernel = getattr(layer, "kernel", None) if layer.built else None
-    if isinstance(layer, keras.layers.Dense):
-        return [("units", layer.units), ("input features", None if kernel is None else int(kernel.shape[0]))]
-    if isinstance(layer, _CONV):
-        return [("filters", layer.filters), ("input channels", None if kernel is None else int(kernel.shape[-2]))]
-    if isinstance(layer, keras.layers.Embedding):
-        return [("output_dim", layer.output_dim)]
-    return []
-
-
-_CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 __all__ = [
     "STRATEGIES",

@@ -142,13 +142,13 @@ def fit_error(strategy, replaced=()) -> str | None:
     """The error fit() raises for a throwaway model with only `replaced` of prepare's methods, or None."""
     import types
 
-    import kmp.distribute
+    import kmp.trainer
 
     x, y = make_data()
     with strategy.scope():
         model = build_model(units=4)
     for name in replaced:
-        setattr(model, name, types.MethodType(kmp.distribute._REPLACEMENTS[name], model))
+        setattr(model, name, types.MethodType(kmp.trainer._REPLACEMENTS[name], model))
     try:
         model.fit(make_dataset(x, y).take(1), epochs=1, verbose=0, shuffle=False)
     except ValueError as error:

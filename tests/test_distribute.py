@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import kmp
-from kmp import distribute
+from kmp import distribute, trainer
 from kmp.deepspeed import load_config
 from kmp.errors import ConfigError
 from kmp.precision import Precision
@@ -217,7 +217,7 @@ def _model(seed=0, units=8):
 
 
 def test_prepare_changes_this_instance_only():
-    stock = {name: getattr(tf_trainer.TensorFlowTrainer, name) for name in distribute._REPLACEMENTS}
+    stock = {name: getattr(tf_trainer.TensorFlowTrainer, name) for name in trainer._REPLACEMENTS}
     ours, other = _model(), _model()
     assert distribute.prepare(ours) is ours
     assert distribute.is_prepared(ours)
@@ -226,16 +226,16 @@ def test_prepare_changes_this_instance_only():
         assert getattr(tf_trainer.TensorFlowTrainer, name) is method
         assert getattr(type(ours), name) is method
         assert name not in vars(other)
-        assert getattr(ours, name).__func__ is distribute._REPLACEMENTS[name]
+        assert getattr(ours, name).__func__ is trainer._REPLACEMENTS[name]
     assert not distribute.is_prepared(_model())  # models made later start stock too
 
 
 def test_prepare_is_idempotent():
     model = _model()
     distribute.prepare(model)
-    first = {name: vars(model)[name] for name in distribute._REPLACEMENTS}
+    first = {name: vars(model)[name] for name in trainer._REPLACEMENTS}
     assert distribute.prepare(distribute.prepare(model)) is model
-    assert {name: vars(model)[name] for name in distribute._REPLACEMENTS} == first
+    assert {name: vars(model)[name] for name in trainer._REPLACEMENTS} == first
 
 
 @pytest.mark.parametrize("value", [keras.layers.Dense(2), "model", None])
@@ -264,7 +264,7 @@ def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, mon
     """On one worker Keras's reduce works: the prepared model must train exactly as a stock one."""
     seen = []
     real_local_batch = distribute.local_batch
-    monkeypatch.setattr(distribute, "local_batch", lambda s, b: seen.append(b) or real_local_batch(s, b))
+    monkeypatch.setattr(trainer, "local_batch", lambda s, b: seen.append(b) or real_local_batch(s, b))
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 3, size=32).astype("int32")
     results = []
@@ -286,7 +286,7 @@ def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, mon
 
 
 def test_outputs_get_a_replica_axis_for_multi_worker_reduction():
-    step = distribute._with_replica_axis(lambda data: {"loss": tf.constant(2.0), "f1": tf.ones(3), "n": None})
+    step = trainer._with_replica_axis(lambda data: {"loss": tf.constant(2.0), "f1": tf.ones(3), "n": None})
     out = step(None)
     assert out["loss"].shape == (1,) and out["f1"].shape == (1, 3) and out["n"] is None
     # MultiWorkerMirroredStrategy's reduce("MEAN", v, axis=0) over a [1, ...]
