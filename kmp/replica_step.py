@@ -38,12 +38,19 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.trainer import model_supports_jit
 
+from kmp.tpu import is_tpu_strategy
+
 JIT_CHOICES = ("auto", True, False)
 
 
 def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
-    if setting is False or model.run_eagerly or model.distribute_strategy.num_replicas_in_sync < 2:
+    strategy = model.distribute_strategy
+    if setting is False or model.run_eagerly or strategy.num_replicas_in_sync < 2:
+        return False
+    if is_tpu_strategy(strategy):
+        # TPUStrategy already compiles the whole step, all replicas and the
+        # all-reduce, into one XLA program: nothing to split.
         return False
     return setting is True or bool(model_supports_jit(model))
 

@@ -22,6 +22,7 @@ from keras.src.backend.tensorflow import trainer as _keras_trainer
 
 from kmp import replica_step
 from kmp.errors import Problem, check
+from kmp.tpu import is_tpu_strategy
 
 
 def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Model:
@@ -54,10 +55,16 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
        reduce fails across workers (keras-team/keras#20585), and it turns
        integer labels into float64; one local replica's share needs no
        communication and has the dtypes the train step will see.
-    2. `_make_function` (multi-worker only): Keras reduces each step's logs
-       with `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
-       loss. The step's outputs get a leading axis of 1, so that same reduce
-       is the mean over replicas and returns the original shape.
+    2. `_make_function`, which builds the train and test functions:
+       - with several replicas, the XLA train step above;
+       - multi-worker: Keras reduces each step's logs with
+         `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
+         loss. The step's outputs get a leading axis of 1, so that same
+         reduce is the mean over replicas and returns the original shape;
+       - `steps_per_execution > 1` with several replicas (not TPU): Keras's
+         loop fails under Mirrored and MultiWorkerMirrored
+         (keras-team/keras#19246); kmp's runs the same steps
+         (`_multi_step_function`).
     """
     stock = getattr(type(model), "_maybe_symbolic_build", None)
     if not isinstance(model, keras.Model) or stock is None:
@@ -116,9 +123,66 @@ def _make_function_prepared(self, step_function):
     whole_step_xla = (setting is True or bool(self.jit_compile)) and not several
     saved, self._jit_compile = self._jit_compile, whole_step_xla
     try:
-        return type(self)._make_function(self, step_function)
+        function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
+    if several and self.steps_per_execution > 1 and not self.run_eagerly and not is_tpu_strategy(self.distribute_strategy):
+        return _multi_step_function(self, step_function, function)
+    return function
+
+
+def _multi_step_function(self, step_function, keras_function):
+    """`steps_per_execution` steps in one tf.function, with no tf.cond around a step.
+
+    Keras 3.15 runs each step of an execution inside a tf.cond, and a step
+    under MirroredStrategy or MultiWorkerMirroredStrategy calls merge_call
+    (every all-reduce does), which fails inside a cond: fit() stops with
+    "You must feed a value for placeholder tensor '.../while/cond/
+    Placeholder_1'" for any steps_per_execution > 1, with any optimizer
+    (keras-team/keras#19246). Here the while loop's own condition checks
+    that a batch is there, and its body runs the step unconditionally.
+    Keras's `unrolled_steps_per_execution` is not applied: it needs the cond.
+    """
+    strategy = self.distribute_strategy
+    steps = self.steps_per_execution
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return _keras_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+
+    one_step = self._autoconvert_optionals(tf.function(one_step, reduce_retracing=True))
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step(iterator):
+        outputs = tf.experimental.Optional.empty(None)  # its spec is known after the first trace
+
+        def body(step, _, inputs):
+            result = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
+            outputs._element_spec = result.element_spec
+            # Fetching a batch calls no merge_call: this cond is safe.
+            inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional, lambda: inputs)
+            return step + 1, result, inputs
+
+        def more(step, _, inputs):
+            return tf.logical_and(step < steps, inputs.has_value())
+
+        start = [tf.constant(0), outputs, iterator.get_next_as_optional()]
+        _, last, _ = tf.while_loop(more, body, start)
+        last._element_spec = outputs.element_spec
+        return last
+
+    multi_step = tf.function(multi_step, reduce_retracing=True)
+
+    def function(iterator):
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return keras_function(iterator)  # Keras's Python loop over a list of batches
+        last = multi_step(iterator)
+        if not last.has_value():
+            raise StopIteration
+        return last.get_value()
+
+    return function
 
 
 def _with_replica_axis(step_function):

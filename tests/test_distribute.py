@@ -285,6 +285,37 @@ def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, mon
     assert all(isinstance(leaf, tf.distribute.DistributedValues) for leaf in keras.tree.flatten(seen[0]))
 
 
+def test_steps_per_execution_fails_stock_and_works_prepared(two_replicas):
+    """keras-team/keras#19246: under MirroredStrategy Keras 3.15 runs each step of an
+    execution inside a tf.cond, and a step's all-reduce (a merge_call) fails there."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(36, 4)).astype("float32"), rng.integers(0, 3, size=36).astype("int32")
+
+    def run(steps_per_execution, prepare):
+        with two_replicas.scope():
+            model = _model()
+            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(0.01)), steps_per_execution=steps_per_execution,
+                          loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        if prepare:
+            distribute.prepare(model, jit_compile=False)
+        # 36 samples in batches of 8: 5 steps an epoch, the last one short;
+        # three steps a call: executions of 3 and then 2 steps.
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        scores = model.evaluate(x, y, batch_size=8, verbose=0)
+        return model, history.history, scores
+
+    keras.config.set_dtype_policy("mixed_float16")  # the autouse fixture restores it
+    with pytest.raises(tf.errors.InvalidArgumentError, match="You must feed a value for placeholder"):
+        run(3, prepare=False)
+    one, h_one, s_one = run(1, prepare=True)
+    three, h_three, s_three = run(3, prepare=True)
+    assert int(three.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 10
+    for a, b in zip(one.get_weights(), three.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert (h_one, s_one) == (h_three, s_three)
+    np.testing.assert_array_equal(one.predict(x, batch_size=8, verbose=0), three.predict(x, batch_size=8, verbose=0))
+
+
 def test_outputs_get_a_replica_axis_for_multi_worker_reduction():
     step = trainer._with_replica_axis(lambda data: {"loss": tf.constant(2.0), "f1": tf.ones(3), "n": None})
     out = step(None)

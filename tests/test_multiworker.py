@@ -186,3 +186,12 @@ def test_accumulation_reduces_once_per_window_and_matches_one_process(workers, a
     for a, b, ref in zip(first["weights"], second["weights"], accumulated_reference["weights"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_allclose(np.asarray(a), np.asarray(ref), rtol=1e-3, atol=1e-4)
+
+
+def test_several_steps_per_execution_train_as_one_step_per_call(workers):
+    for w in workers:
+        four = w["four_steps_per_call"]
+        assert four["state"] == w["state"] and four["xla_per_replica"] == 1
+        np.testing.assert_allclose(four["loss"], w["loss"], rtol=1e-6)
+        for a, b in zip(four["weights"], w["weights"]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -14,7 +14,7 @@ X = RNG.normal(size=(64, 6)).astype("float32")
 Y = (X[:, :1] * 2 - X[:, 1:2]).astype("float32")
 
 
-def _model(extra_layers=(), regularizer=None, accumulation=None, jit_compile="auto"):
+def _model(extra_layers=(), regularizer=None, accumulation=None, jit_compile="auto", steps_per_execution=1):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer)(inputs)
@@ -24,7 +24,8 @@ def _model(extra_layers=(), regularizer=None, accumulation=None, jit_compile="au
     model = keras.Model(inputs, outputs)
     optimizer = kmp.wrap(keras.optimizers.Adam(0.01), log_overflows=False,
                          **({"gradient_accumulation_steps": accumulation} if accumulation else {}))
-    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile)
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], jit_compile=jit_compile,
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -125,6 +126,32 @@ def test_accumulation_with_xla_per_replica_equals_one_big_batch(two_replicas):
     assert int(accumulated.optimizer.iterations.numpy()) == int(big.optimizer.iterations.numpy()) == 4
     for a, b in zip(big.get_weights(), accumulated.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_several_steps_per_execution_train_as_one(two_replicas):
+    """Stock Keras fails here (tests/test_distribute.py); prepared, 4 steps a call equal 1."""
+    one, one_history = _fit(two_replicas, prepare="auto")
+    four, four_history = _fit(two_replicas, prepare="auto", steps_per_execution=4)
+    assert len(vars(four)["_kmp_replica_steps"]) == 2
+    assert int(four.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 8
+    for a, b in zip(one.get_weights(), four.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one_history["loss"], four_history["loss"], rtol=1e-5)
+    _replicas_identical(two_replicas, four.variables)
+
+
+def test_a_tpu_strategy_keeps_kerass_step():
+    """TPUStrategy compiles the whole step itself; the per-replica split is for CPU/GPU strategies."""
+
+    class TPUStrategyFake:  # a TPU strategy by Keras's own test (the class name)
+        num_replicas_in_sync = 8
+
+    keras.config.set_dtype_policy("float32")
+    model = _model()
+    model._distribute_strategy = TPUStrategyFake()
+    assert model.distribute_strategy.num_replicas_in_sync == 8
+    assert not replica_step.wants_replica_xla(model, True)
+    assert not replica_step.wants_replica_xla(model, "auto")
 
 
 def test_switches(two_replicas):
