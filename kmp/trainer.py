@@ -126,7 +126,8 @@ def _make_function_prepared(self, step_function):
         function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
-    if several and self.steps_per_execution > 1 and not self.run_eagerly and not is_tpu_strategy(self.distribute_strategy):
+    if (several and self.steps_per_execution > 1 and not self.run_eagerly
+            and not is_tpu_strategy(self.distribute_strategy)):
         return _multi_step_function(self, step_function, function)
     return function
 

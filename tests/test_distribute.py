@@ -329,14 +329,19 @@ def test_outputs_get_a_replica_axis_for_multi_worker_reduction():
 
 def test_keras_methods_prepare_relies_on():
     """If an upgrade renames or reshapes these, prepare() must be revisited."""
-    trainer = tf_trainer.TensorFlowTrainer
-    assert list(inspect.signature(trainer._maybe_symbolic_build).parameters) == ["self", "iterator", "data_batch"]
-    assert list(inspect.signature(trainer._make_function).parameters) == ["self", "step_function"]
-    source = inspect.getsource(trainer._maybe_symbolic_build)
+    keras_trainer = tf_trainer.TensorFlowTrainer
+    assert list(inspect.signature(keras_trainer._maybe_symbolic_build).parameters) == [
+        "self", "iterator", "data_batch"]
+    assert list(inspect.signature(keras_trainer._make_function).parameters) == ["self", "step_function"]
+    source = inspect.getsource(keras_trainer._maybe_symbolic_build)
     assert "if iterator is not None:" in source and "self._symbolic_build(data_batch=data_batch)" in source
     reduce_source = inspect.getsource(tf_trainer.reduce_per_replica)
     assert 'strategy.reduce("MEAN", v, axis=0)' in reduce_source
+    assert list(inspect.signature(tf_trainer.reduce_per_replica).parameters) == ["values", "strategy", "reduction"]
     assert callable(tf_trainer._collective_all_reduce_multi_worker)
+    # kmp's multi-step loop wraps its step as Keras wraps one_step_on_data.
+    assert list(inspect.signature(keras_trainer._autoconvert_optionals).parameters) == ["self", "step_func"]
+    assert "self._autoconvert_optionals(one_step_on_data)" in inspect.getsource(keras_trainer._make_function)
 
 
 # ---------------------------------------------------------------- TPU seams
