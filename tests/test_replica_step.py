@@ -152,6 +152,20 @@ def test_a_tpu_strategy_keeps_kerass_step():
     assert model.distribute_strategy.num_replicas_in_sync == 8
     assert not replica_step.wants_replica_xla(model, True)
     assert not replica_step.wants_replica_xla(model, "auto")
+    # Nor kmp's multi-step loop: Keras's own runs there (no merge_call on TPUs).
+    model.steps_per_execution = 4
+    kmp.prepare(model)
+    function = model._make_function(model.train_step)
+    assert function.__qualname__ == "TensorFlowTrainer._make_function.<locals>.function"
+
+
+def test_the_multi_step_loop_is_kmps_with_several_replicas(two_replicas):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        model = _model(steps_per_execution=4)
+    kmp.prepare(model)
+    function = model._make_function(model.train_step)
+    assert function.__qualname__ == "_multi_step_function.<locals>.function"
 
 
 def test_switches(two_replicas):
