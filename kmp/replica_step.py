@@ -43,14 +43,19 @@ from kmp.tpu import is_tpu_strategy
 JIT_CHOICES = ("auto", True, False)
 
 
+def splits_replicas(strategy) -> bool:
+    """Whether kmp builds `strategy`'s steps itself, replica by replica.
+
+    True for several replicas on CPUs/GPUs (Mirrored, MultiWorkerMirrored).
+    TPUStrategy compiles the whole step, all replicas and the all-reduce,
+    into one XLA program and uses no merge_call: Keras's step and loop stay.
+    """
+    return strategy.num_replicas_in_sync > 1 and not is_tpu_strategy(strategy)
+
+
 def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
-    strategy = model.distribute_strategy
-    if setting is False or model.run_eagerly or strategy.num_replicas_in_sync < 2:
-        return False
-    if is_tpu_strategy(strategy):
-        # TPUStrategy already compiles the whole step, all replicas and the
-        # all-reduce, into one XLA program: nothing to split.
+    if setting is False or model.run_eagerly or not splits_replicas(model.distribute_strategy):
         return False
     return setting is True or bool(model_supports_jit(model))
 

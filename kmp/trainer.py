@@ -22,7 +22,6 @@ from keras.src.backend.tensorflow import trainer as _keras_trainer
 
 from kmp import replica_step
 from kmp.errors import Problem, check
-from kmp.tpu import is_tpu_strategy
 
 
 def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Model:
@@ -126,8 +125,7 @@ def _make_function_prepared(self, step_function):
         function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
-    if (several and self.steps_per_execution > 1 and not self.run_eagerly
-            and not is_tpu_strategy(self.distribute_strategy)):
+    if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
         return _multi_step_function(self, step_function, function)
     return function
 
