@@ -66,7 +66,7 @@ def worker(args) -> int:
     import tensorflow as tf
 
     import kmp
-    from kmp.optimizer import all_reduce_sum
+    from kmp.distribute.communication import all_reduce_sum
 
     tf.config.threading.set_intra_op_parallelism_threads(1)  # two workers, two cores
     strategy = kmp.resolve_strategy()

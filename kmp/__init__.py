@@ -6,7 +6,6 @@
 
 from kmp import callbacks, distribute
 from kmp.config import Communication, Config, LossScaleConfig
-from kmp.distribute import prepare, resolve_strategy
 from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.errors import ConfigError, KmpError, LossScaleError
 from kmp.optimizer import LossScaleOptimizer
@@ -19,6 +18,7 @@ from kmp.precision import (
     resolve_precision,
     set_precision,
 )
+from kmp.distribute import prepare, resolve_strategy
 from kmp.wrap import wrap
 
 __version__ = "0.1.0"

@@ -63,15 +63,13 @@ raises first and the check never fires.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
-
 import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import loss_scale
-from kmp.config import LossScaleConfig
+from kmp import loss_scale, values
 from kmp.errors import LossScaleError, Problem, check
+from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
 
 __all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
 
@@ -84,64 +82,6 @@ _LOGGED = {
 }
 # Everything the floor check reads (kmp's optimizer only).
 _CHECKED = _LOGGED | {"good_steps": "good_steps", "iterations": "iterations"}
-
-
-class WindowState(NamedTuple):
-    """The optimizer state the floor check compares, as Python numbers."""
-
-    scale: float
-    hysteresis_left: int
-    good_steps: int
-    overflows: int
-    iterations: int  # applied steps: a skipped step does not advance it (spec)
-
-
-def steps_clear_of_floor(config: LossScaleConfig, scale: float, hysteresis_left: int) -> int:
-    """How many steps from this state certainly cannot be stuck at the floor.
-
-    A stuck step needs `hysteresis_left <= 1` and `scale <= min_scale` before
-    it. Each overflow uses up one hysteresis (when more than one is left) or
-    backs the scale off once, and clean steps only raise both, so at least this
-    many overflows come first. float32 arithmetic, as in the optimizer.
-    """
-    floor = np.float32(config.min_scale)
-    scale = np.float32(scale)
-    backoffs = 0
-    while np.isfinite(scale) and scale > floor:
-        scale = max(np.float32(scale * np.float32(config.backoff_factor)), floor)
-        backoffs += 1
-    return max(int(hysteresis_left) - 1, 0) + backoffs
-
-
-def stuck_in_window(config: LossScaleConfig, before: WindowState, after: WindowState) -> bool:
-    """Whether the steps between two states certainly overflowed at the floor.
-
-    "Stuck" as in `kmp.loss_scale.adjust`: an overflow not absorbed by
-    hysteresis, with the scale already at `min_scale`. False when unsure (see
-    the module docstring).
-    """
-    if not (config.dynamic and config.raise_at_min_scale):
-        return False
-    overflows = after.overflows - before.overflows
-    clean = after.iterations - before.iterations
-    at_floor = np.float32(before.scale) <= np.float32(config.min_scale) and before.hysteresis_left <= 1
-    if overflows <= 0 or not at_floor:
-        return False
-    if after.good_steps == clean:
-        # Every clean step came after the last overflow: the first step overflowed.
-        return True
-    return not _could_lift(config, before.good_steps, clean)
-
-
-def _could_lift(config: LossScaleConfig, good_steps: int, clean: int) -> bool:
-    """Whether `clean` clean steps, in any order with overflows, could raise the
-    scale or refill hysteresis above 1. Clean steps before the first overflow
-    count on from `good_steps`, those after an overflow from 0."""
-    if config.consecutive_hysteresis and config.hysteresis > 1:
-        return clean > 0
-    return any(
-        loss_scale.grows(config, good_steps + n) or loss_scale.grows(config, n) for n in range(1, clean + 1)
-    )
 
 
 def to_host(tensors: list) -> list[float]:
@@ -333,15 +273,14 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
             problems.append(Problem("schedule", "a non-empty dict {epoch: micro-batches per step}", schedule))
         else:
             for epoch, steps in schedule.items():
-                if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+                if not values.is_int(epoch) or epoch < 0:
                     problems.append(Problem(f"schedule[{epoch!r}]", "an epoch number >= 0 as key", epoch))
-                if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-                    problems.append(Problem(f"schedule[{epoch!r}]", "an integer >= 1", steps))
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            problems.append(Problem("batch_size", "None or the fit() batch size (an integer >= 1)", batch_size))
+                values.int_in(f"schedule[{epoch!r}]", steps, 1, problems)
+        if batch_size is not None:
+            values.int_in("batch_size", batch_size, 1, problems, fix="None or the fit() batch size.")
         check(problems, "GradientAccumulationScheduler arguments")
-        self.schedule = dict(sorted(schedule.items()))
-        self.batch_size = batch_size
+        self.schedule = {int(epoch): int(steps) for epoch, steps in sorted(schedule.items())}
+        self.batch_size = values.plain(batch_size)
 
     def steps_for(self, epoch: int) -> int:
         earlier = [steps for start, steps in self.schedule.items() if start <= epoch]
@@ -351,13 +290,13 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         if not optimizer.built:
             optimizer.build(self.model.trainable_variables)
-        if getattr(optimizer, "accumulation_steps", None) is None:
+        if getattr(optimizer, "accumulation", None) is None:
             check([Problem(
                 "model.optimizer", "a kmp.LossScaleOptimizer built with gradient_accumulation_steps",
                 type(optimizer).__name__,
                 "Compile with kmp.wrap(optimizer, gradient_accumulation_steps=1) (or any value).",
             )], "GradientAccumulationScheduler")
-        optimizer.accumulation_steps.assign(self.steps_for(epoch))
+        optimizer.accumulation.steps.assign(self.steps_for(epoch))
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:

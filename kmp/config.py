@@ -1,23 +1,26 @@
-"""Typed kmp settings with validation. Imports no TensorFlow.
+"""Typed kmp settings, each validated once: when it is constructed. Imports no TensorFlow.
 
-`LossScaleConfig` holds the loss-scaling contract's settings
-(../shared/spec/loss-scaling.md); its defaults are those of a
-`kmp.LossScaleOptimizer` constructed in Python (Keras's). `Config` holds a
+`LossScaleConfig` holds the loss-scaling settings (docs/loss-scaling.md); its
+defaults are those of a `kmp.LossScaleOptimizer` constructed in Python
+(Keras's). `Communication` holds the all-reduce settings. `Config` holds a
 whole training setup; `kmp.deepspeed` fills it from a DeepSpeed-style JSON file
 with DeepSpeed's defaults instead.
 
-Every `problems()` method returns all problems at once, each with its key
-path, so one error can list them together.
+An instance exists only if it is valid: construction raises one ConfigError
+listing every problem, each under the field's name (`kmp.deepspeed` renames
+them to JSON key paths). numpy scalars are stored as the Python numbers they
+hold. Everything downstream takes these values as they are and checks nothing
+again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-from kmp.errors import Problem, check, did_you_mean
+from kmp import values
+from kmp.errors import Problem, check
 
 GrowthRule = Literal["every_window", "after_window"]
 PrecisionName = Literal["fp32", "fp16", "bf16"]
@@ -29,44 +32,20 @@ PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_number(path: str, value: Any, out: list[Problem]) -> bool:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        out.append(Problem(path, "a finite number > 0", value))
-        return False
-    return True
-
-
-def _int_at_least(path: str, value: Any, low: int, out: list[Problem]) -> None:
-    if not _is_int(value) or value < low:
-        out.append(Problem(path, f"an integer >= {low}", value))
-
-
-def _bool(path: str, value: Any, out: list[Problem]) -> None:
-    if not isinstance(value, bool):
-        out.append(Problem(path, "true or false", value))
-
-
-def _choice(path: str, value: Any, choices: tuple[str, ...], out: list[Problem]) -> None:
-    if value not in choices:
-        options = ", ".join(repr(c) for c in choices)
-        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
-        out.append(Problem(path, f"one of {options}", value, hint))
+def _validate(instance, problems: list[Problem], source: str) -> None:
+    """Store numpy scalars as Python numbers, then raise if anything is wrong."""
+    for f in dataclasses.fields(instance):
+        object.__setattr__(instance, f.name, values.plain(getattr(instance, f.name)))
+    check(problems, source)
 
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """Settings of dynamic (or static) loss scaling; see the spec's table.
+    """Settings of dynamic (or static) loss scaling (docs/loss-scaling.md).
 
-    `static_scale=None` means dynamic. Key paths in errors are
-    `<prefix><field>`, so a DeepSpeed loader can report its own paths.
+    `static_scale=None` means dynamic. Every scale is a float32 in the
+    optimizer, so each must be a normal float32 (> 0, not inf); counts are
+    int64.
     """
 
     initial_scale: float = 2.0**15
@@ -81,68 +60,62 @@ class LossScaleConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
 
+    def __post_init__(self) -> None:
+        _validate(self, self._problems(), "loss-scale settings")
+
     @property
     def dynamic(self) -> bool:
         return self.static_scale is None
 
-    def problems(self, paths: dict[str, str] | None = None) -> list[Problem]:
-        """All invalid fields. `paths` renames fields (e.g. to JSON keys)."""
-        p = {f.name: f.name for f in dataclasses.fields(self)} | (paths or {})
+    def _problems(self) -> list[Problem]:
         out: list[Problem] = []
-        ok_min = _positive_number(p["min_scale"], self.min_scale, out)
-        ok_max = _positive_number(p["max_scale"], self.max_scale, out)
+        ok_min = values.positive("min_scale", self.min_scale, out)
+        ok_max = values.positive("max_scale", self.max_scale, out)
         if ok_min and ok_max and self.min_scale > self.max_scale:
-            out.append(Problem(p["min_scale"], f"a value <= {p['max_scale']}={self.max_scale!r}", self.min_scale))
-        if _positive_number(p["initial_scale"], self.initial_scale, out) and ok_min and ok_max:
+            out.append(Problem("min_scale", f"a value <= max_scale={self.max_scale!r}", self.min_scale))
+        if values.positive("initial_scale", self.initial_scale, out) and ok_min and ok_max:
             if not self.min_scale <= self.initial_scale <= self.max_scale:
                 out.append(Problem(
-                    p["initial_scale"],
-                    f"a value between {p['min_scale']}={self.min_scale!r} and {p['max_scale']}={self.max_scale!r}",
+                    "initial_scale",
+                    f"a value between min_scale={self.min_scale!r} and max_scale={self.max_scale!r}",
                     self.initial_scale,
                 ))
-        _int_at_least(p["dynamic_growth_steps"], self.dynamic_growth_steps, 1, out)
-        _int_at_least(p["hysteresis"], self.hysteresis, 1, out)
-        _bool(p["consecutive_hysteresis"], self.consecutive_hysteresis, out)
-        _bool(p["raise_at_min_scale"], self.raise_at_min_scale, out)
-        _choice(p["growth_rule"], self.growth_rule, GROWTH_RULES, out)
+        values.int_in("dynamic_growth_steps", self.dynamic_growth_steps, 1, out)
+        values.int_in("hysteresis", self.hysteresis, 1, out)
+        values.boolean("consecutive_hysteresis", self.consecutive_hysteresis, out)
+        values.boolean("raise_at_min_scale", self.raise_at_min_scale, out)
+        values.choice("growth_rule", self.growth_rule, GROWTH_RULES, out)
         if self.static_scale is not None:
-            _positive_number(p["static_scale"], self.static_scale, out)
-        if not _is_number(self.growth_factor) or not math.isfinite(self.growth_factor) or self.growth_factor <= 1:
-            out.append(Problem(p["growth_factor"], "a finite number > 1", self.growth_factor))
-        if not _is_number(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            out.append(Problem(p["backoff_factor"], "a number between 0 and 1 (exclusive)", self.backoff_factor))
+            values.positive("static_scale", self.static_scale, out)
+        values.number_in("growth_factor", self.growth_factor, out, above=1)
+        values.number_in("backoff_factor", self.backoff_factor, out, above=0, below=1)
         return out
-
-    def validated(self, source: str = "loss-scale settings") -> "LossScaleConfig":
-        check(self.problems(), source)
-        return self
 
 
 COMMUNICATION_DTYPES = ("float32", "float16", "bfloat16")
 
+# A pre-divide factor multiplies every gradient by replicas / factor before
+# the all-reduce: far from the replica count it overflows or underflows.
+PREDIVIDE_RANGE = (2.0**-20, 2.0**20)
+
 
 @dataclass(frozen=True)
 class Communication:
-    """How gradients cross replicas (kmp.communication): float32, one bucket, no extra factor by default."""
+    """How gradients cross replicas (kmp.distribute.communication): float32, one bucket, no extra factor by default."""
 
     dtype: str = "float32"
     bytes_per_pack: int = 0
     predivide_factor: float | None = None
 
-    def problems(self, prefix: str = "") -> list[Problem]:
-        out = []
-        if self.dtype not in COMMUNICATION_DTYPES:
-            out.append(Problem(f"{prefix}dtype", f"one of {', '.join(COMMUNICATION_DTYPES)}", self.dtype))
-        if not _is_int(self.bytes_per_pack) or self.bytes_per_pack < 0:
-            out.append(Problem(f"{prefix}bytes_per_pack", "an integer >= 0 (0: one bucket)", self.bytes_per_pack))
-        f = self.predivide_factor
-        if f is not None and (not _is_number(f) or not math.isfinite(f) or f <= 0):
-            out.append(Problem(f"{prefix}predivide_factor", "None or a finite number > 0", f))
-        return out
-
-    def validated(self, source: str = "kmp communication settings") -> "Communication":
-        check(self.problems(), source)
-        return self
+    def __post_init__(self) -> None:
+        out: list[Problem] = []
+        values.choice("dtype", self.dtype, COMMUNICATION_DTYPES, out)
+        values.int_in("bytes_per_pack", self.bytes_per_pack, 0, out, fix="0 means one bucket.")
+        if self.predivide_factor is not None:
+            low, high = PREDIVIDE_RANGE
+            values.number_in("predivide_factor", self.predivide_factor, out, at_least=low, at_most=high,
+                             fix="DeepSpeed's default is 1.0; a value near the replica count keeps sums in range.")
+        _validate(self, out, "kmp communication settings")
 
 
 @dataclass(frozen=True)
@@ -167,28 +140,27 @@ class Config:
     gradient_predivide_factor: float | None = None
     allreduce_bytes_per_pack: int = 0
 
-    def problems(self, paths: dict[str, str] | None = None) -> list[Problem]:
-        p = {f.name: f.name for f in dataclasses.fields(self)} | (paths or {})
+    def __post_init__(self) -> None:
         out: list[Problem] = []
-        _choice(p["precision"], self.precision, PRECISIONS, out)
-        _choice(p["strategy"], self.strategy, STRATEGIES, out)
-        _choice(p["communication_data_type"], self.communication_data_type, COMMUNICATION_DTYPES, out)
+        values.choice("precision", self.precision, PRECISIONS, out)
+        values.choice("strategy", self.strategy, STRATEGIES, out)
+        values.choice("communication_data_type", self.communication_data_type, COMMUNICATION_DTYPES, out)
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            out.append(Problem("loss_scale", "a kmp.LossScaleConfig", self.loss_scale))
         if self.prescale_gradients is not None:
-            _bool(p["prescale_gradients"], self.prescale_gradients, out)
+            values.boolean("prescale_gradients", self.prescale_gradients, out)
         if self.gradient_predivide_factor is not None:
-            _positive_number(p["gradient_predivide_factor"], self.gradient_predivide_factor, out)
-        _int_at_least(p["allreduce_bytes_per_pack"], self.allreduce_bytes_per_pack, 0, out)
+            low, high = PREDIVIDE_RANGE
+            values.number_in("gradient_predivide_factor", self.gradient_predivide_factor, out,
+                             at_least=low, at_most=high)
+        values.int_in("allreduce_bytes_per_pack", self.allreduce_bytes_per_pack, 0, out)
         if self.gradient_clipping is not None:
-            _positive_number(p["gradient_clipping"], self.gradient_clipping, out)
+            values.positive("gradient_clipping", self.gradient_clipping, out)
         for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if value is not None:
-                _int_at_least(p[name], value, 1, out)
-        # Loss-scale fields are reported as "loss_scale.<field>" unless the
-        # caller maps them (a DeepSpeed file reports "fp16.<key>").
-        scale_paths = {f.name: f"loss_scale.{f.name}" for f in dataclasses.fields(LossScaleConfig)}
-        scale_paths |= {k[len("loss_scale."):]: v for k, v in p.items() if k.startswith("loss_scale.")}
-        return out + self.loss_scale.problems(scale_paths)
+                values.int_in(name, value, 1, out)
+        _validate(self, out, "kmp config")
 
     def communication(self) -> Communication:
         """The all-reduce settings, with DeepSpeed's meaning of its two scaling keys.
@@ -206,7 +178,3 @@ class Config:
             prescale = self.gradient_predivide_factor is None
         factor = None if prescale else (self.gradient_predivide_factor or 1.0)
         return Communication(self.communication_data_type, self.allreduce_bytes_per_pack, factor)
-
-    def validated(self, source: str = "kmp config") -> "Config":
-        check(self.problems(), source)
-        return self

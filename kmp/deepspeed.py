@@ -4,9 +4,11 @@
   path. `load_config` and `to_deepspeed` both walk it, so a key cannot be read
   one way and written another: `load_config(to_deepspeed(c)) == c`.
 - Checking has two layers. The table checks each JSON value's type (the string
-  "2" is not a hysteresis); `Config.problems(paths=...)` checks ranges and
-  relations and reports them under the JSON key path. Everything found goes
-  into one ConfigError, so a file is fixed in one pass.
+  "2" is not a hysteresis); constructing the `Config` checks ranges and
+  relations, and its problems are renamed to the JSON key paths here.
+  Everything found goes into one ConfigError, so a file is fixed in one pass.
+- This is the one reader of DeepSpeed's blocks: `kmp.resolve_precision` on a
+  dict and `kmp.wrap` with a config go through `load_config` too.
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
 - Unknown keys are errors with a did-you-mean: a misspelled `hysterisis` that
@@ -32,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig
 from kmp.errors import ConfigError, Problem, check, did_you_mean
+from kmp.values import is_int, is_number
 
 # The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
 # growth rule and max scale of its current DynamicLossScaler).
@@ -47,19 +50,10 @@ DEEPSPEED_LOSS_SCALE = LossScaleConfig(
 )
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    # json.loads accepts NaN and Infinity; no setting here can use them.
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
-
-
 # JSON value kinds: (what the error says is expected, the test).
 _BOOL = ("true or false", lambda v: isinstance(v, bool))
-_INT = ("an integer", _is_int)
-_NUMBER = ("a number", _is_number)
+_INT = ("an integer", is_int)
+_NUMBER = ("a number", is_number)
 _GROWTH_RULE = ("one of " + ", ".join(repr(r) for r in GROWTH_RULES), lambda v: isinstance(v, str))
 
 
@@ -77,7 +71,7 @@ def _two_to_the(power: int) -> float:
 
 
 def _is_power_of_two(x: Any) -> bool:
-    return _is_number(x) and x >= 1 and math.frexp(x)[0] == 0.5
+    return is_number(x) and x >= 1 and math.frexp(x)[0] == 0.5
 
 
 def _same(v: Any) -> Any:
@@ -98,7 +92,7 @@ class _Key:
 
 # DeepSpeed's names of communication_data_type -> kmp's (TensorFlow's).
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-_COMMUNICATION_DTYPE = ("one of 'fp32', 'fp16', 'bf16'", lambda v: v in _DTYPE_NAMES)
+_COMMUNICATION_DTYPE = ("one of 'fp32', 'fp16', 'bf16'", lambda v: isinstance(v, str) and v in _DTYPE_NAMES)
 _STRATEGY = ("one of " + ", ".join(repr(s) for s in STRATEGIES), lambda v: isinstance(v, str))
 
 DEEPSPEED_KEYS: tuple[_Key, ...] = (
@@ -106,12 +100,12 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("train_micro_batch_size_per_gpu", "micro_batch_size", _INT),
     _Key("gradient_accumulation_steps", "gradient_accumulation_steps", _INT),
     _Key("gradient_clipping", "gradient_clipping", ("a number >= 0 (0 means no clipping)",
-         lambda v: _is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
+         lambda v: is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
     _Key("fp16.enabled", "precision", _BOOL, lambda on: "fp16" if on else None, lambda p: p == "fp16"),
     _Key("fp16.loss_scale", "loss_scale.static_scale", ("a number >= 0 (0 means dynamic scaling)",
-         lambda v: _is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
+         lambda v: is_number(v) and v >= 0), _zero_is_none, _none_is_zero),
     _Key("fp16.initial_scale_power", "loss_scale.initial_scale", ("an integer >= 0 (initial scale = 2**power)",
-         lambda v: _is_int(v) and v >= 0), _two_to_the, lambda s: math.frexp(s)[1] - 1,
+         lambda v: is_int(v) and v >= 0), _two_to_the, lambda s: math.frexp(s)[1] - 1,
          note="The initial scale is 2**{}."),
     _Key("fp16.loss_scale_window", "loss_scale.dynamic_growth_steps", _INT),
     _Key("fp16.hysteresis", "loss_scale.hysteresis", _INT),
@@ -129,7 +123,7 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("prescale_gradients", "prescale_gradients", _BOOL),
     _Key("gradient_predivide_factor", "gradient_predivide_factor", _NUMBER, float),
     _Key("kmp.allreduce_bytes_per_pack", "allreduce_bytes_per_pack", ("an integer >= 0 (0: one bucket)",
-         lambda v: _is_int(v) and v >= 0)),
+         lambda v: is_int(v) and v >= 0)),
 )
 
 _BLOCKS = ("fp16", "bf16", "kmp")
@@ -151,12 +145,20 @@ _IGNORED: dict[str, list[str]] = {
 }
 
 
+DEEPSPEED_CONFIG = Config(loss_scale=DEEPSPEED_LOSS_SCALE)  # a file with no keys
+
+
+def precision_of(source: Mapping[str, Any] | str | os.PathLike) -> str:
+    """The precision a DeepSpeed config asks for ("fp32", "fp16" or "bf16"), read by `load_config`."""
+    return load_config(source).precision
+
+
 def _get(config: Config, field: str) -> Any:
     return functools.reduce(getattr, field.split("."), config)
 
 
 def load_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
-    """A Config from a dict, a path to a JSON file, or a JSON string (starts with '{').
+    """A Config from a dict, a path to a JSON file, or a JSON string (starts with '{' or '[').
 
     Raises one ConfigError listing every problem; warns once about DeepSpeed
     keys that kmp ignores.
@@ -176,7 +178,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
 def _read(source: Any) -> tuple[Any, str]:
     if isinstance(source, Mapping):
         return source, "DeepSpeed config"
-    if isinstance(source, str) and source.lstrip().startswith("{"):
+    if isinstance(source, str) and source.lstrip().startswith(("{", "[")):
         return _parse(source, "DeepSpeed config (JSON string)"), "DeepSpeed config (JSON string)"
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError([Problem("source", "a dict, a path to a JSON file, or a JSON string", source)],
@@ -289,18 +291,35 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
 
     scale = {f.partition(".")[2]: v for f, (_, v) in claimed.items() if f.startswith("loss_scale.")}
     top = {f: v for f, (_, v) in claimed.items() if not f.startswith("loss_scale.")}
-    config = Config(**top, loss_scale=dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale))
-
-    rows = {path_of(row.key): row for row in DEEPSPEED_KEYS}
-    for p in config.problems(paths={row.field: path for path, row in rows.items()}):
+    # Constructing validates ranges; problems come back under field names and
+    # are reported under the JSON key path, with the value as written there.
+    rows = {row.field: row for row in DEEPSPEED_KEYS}
+    found: list[Problem] = []
+    try:
+        loss_scale = dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale)
+    except ConfigError as e:
+        found += [dataclasses.replace(p, path=f"loss_scale.{p.path}") for p in e.problems]
+        loss_scale = DEEPSPEED_LOSS_SCALE
+    try:
+        config = Config(**top, loss_scale=loss_scale)
+    except ConfigError as e:
+        found += e.problems
+        config = Config(loss_scale=loss_scale)
+    for p in found:
         row = rows.get(p.path)
         if row is not None:
+            path = path_of(row.key)
             # Show the value as written in JSON (the power, not 2**power).
-            shown = given[p.path] if p.path in given else row.dump(_get(config, row.field))
+            shown = given[path] if path in given else row.dump(_get(DEEPSPEED_CONFIG, row.field))
             fix = f"{p.fix} {row.note.format(shown)}"
-            if p.path not in given:
+            if path not in given:
                 fix += " That is DeepSpeed's default; set the key to change it."
-            p = dataclasses.replace(p, received=shown, fix=fix.strip())
+            expected = p.expected
+            for other, other_row in rows.items():  # "a value <= max_scale=..." -> the JSON key
+                field_name = other.rpartition(".")[2]
+                if f"{field_name}=" in expected:
+                    expected = expected.replace(f"{field_name}=", f"{path_of(other_row.key)}=")
+            p = Problem(path, expected, shown, fix.strip())
         problems.append(p)
     check(problems, name)
     return config, ignored
@@ -325,9 +344,9 @@ def to_deepspeed(config: Config) -> dict[str, Any]:
     any reader whatever its defaults. Raises ConfigError for an invalid config,
     or an initial scale that is not 2**n (DeepSpeed stores only the power).
     """
-    problems = config.problems()
+    problems = []
     scale = config.loss_scale.initial_scale
-    if not problems and not _is_power_of_two(scale):
+    if not _is_power_of_two(scale):
         problems.append(Problem("loss_scale.initial_scale", "a power of two >= 1 (DeepSpeed stores "
                                 "fp16.initial_scale_power)", scale, "Use 2.0**n, e.g. 2.0**16."))
     check(problems, "kmp config")
@@ -356,11 +375,11 @@ def resolve_batch_sizes(config: Config, world_size: int) -> tuple[int, int, int]
     """
     train, micro, gas = config.train_batch_size, config.micro_batch_size, config.gradient_accumulation_steps
     problems = []
-    if not _is_int(world_size) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         problems.append(Problem("world_size", "an integer >= 1 (the number of data-parallel replicas)", world_size))
     for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                        ("gradient_accumulation_steps", gas)):
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             problems.append(Problem(key, "an integer >= 1, or none to infer it", value))
     if train is None and micro is None:
         problems.append(Problem(

@@ -46,7 +46,7 @@ every mirrored variable (model variables, slots, iterations, the learning
 rate), so each XLA computation touches only its own device's resources.
 Nothing communicates inside: the gradients must already be all-reduced, and
 a fallback to `optimizer.apply` must not all-reduce again
-(kmp.LossScaleOptimizer hands that reduction over for its inner optimizer).
+(kmp.LossScaleOptimizer shadows that reduction for the call).
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.optimizers.base_optimizer import clip_by_global_norm, global_norm
-from keras.src.optimizers.schedules.learning_rate_schedule import LearningRateSchedule
+from keras.optimizers.schedules import LearningRateSchedule
+
+from kmp.gradients import clip_by_global_norm, global_clip_scale
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ _HYPERPARAMETERS = {
     keras.optimizers.AdamW: ("beta_1", "beta_2", "epsilon"),
 }
 _CLIPPING = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue")
+# Keras's private optimizer state this module reads (kmp/seams.py lists them).
+_INTERNALS = ("_learning_rate", "_iterations", "_trainable_variables_indices", "_var_key", "_get_variable_index",
+              "_use_weight_decay", "_filter_empty_gradients", "_overwrite_variable_with_gradient")
 GROUP_SIZE = 256  # variables per XLA computation (see "Layout" above)
 
 
@@ -81,6 +85,9 @@ def fused_support(optimizer) -> str | None:
     if kind not in _FUSED_TYPES:
         # Exact types only: a subclass may override update_step.
         return f"{kind.__name__} has no fused update (kmp fuses SGD, Adam and AdamW)"
+    missing = [name for name in _INTERNALS if not hasattr(optimizer, name)]
+    if missing:
+        return f"this Keras version lacks the optimizer internals kmp.fused reads ({', '.join(missing)})"
     if getattr(optimizer, "amsgrad", False):
         return "amsgrad=True"
     if optimizer.use_ema:
@@ -115,10 +122,13 @@ def fused_apply(optimizer, grads, variables=None) -> None:
 
 
 def fused_step(optimizer, grads, variables=None):
-    """(a callable `step(grads)` doing the fused update here, None), or (None, why not).
+    """(a callable `step(grads, clip_scale=None)` doing the fused update here, None), or (None, why not).
 
-    The step touches only this replica's own variables and needs no
-    cross-replica context: callers may run it inside a replica-context cond.
+    `clip_scale`, a scalar the caller computed (kmp.gradients.global_clip_scale),
+    multiplies every gradient in place of the optimizer's own clipping, which
+    must then be off. The step touches only this replica's own variables and
+    needs no cross-replica context: callers may run it inside a replica-context
+    cond.
     """
     reason = fused_support(optimizer)
     if reason is not None:
@@ -186,7 +196,7 @@ def _step_for(optimizer, grads, variables):
     if len(present) < len(variables):
         # Keras's warning for variables without gradients.
         optimizer._filter_empty_gradients(grads, variables)
-    return (lambda grads: step([grads[i] for i in present])), None
+    return (lambda grads, clip_scale=None: step([grads[i] for i in present], clip_scale)), None
 
 
 def _replica():
@@ -302,13 +312,15 @@ class _Step:
         ]
         global_clipnorm = self.hyper["global_clipnorm"]
         split_clip = len(self.groups) > 1 and bool(global_clipnorm and global_clipnorm > 0)
-        self.clip_scale = compile_(functools.partial(_global_clip_scale, clip_norm=global_clipnorm)) if split_clip else None
+        self.clip_scale = compile_(functools.partial(global_clip_scale, clip_norm=global_clipnorm)) if split_clip else None
 
-    def __call__(self, grads):
+    def __call__(self, grads, clip_scale=None):
         extra = {}
         if self.call_learning_rate is not None:
             extra["learning_rate"] = tf.convert_to_tensor(self.call_learning_rate())
-        if self.clip_scale is not None:
+        if clip_scale is not None:
+            extra["clip_scale"] = clip_scale
+        elif self.clip_scale is not None:
             extra["clip_scale"] = self.clip_scale(grads)
         for group, function in zip(self.groups, self.functions):
             function([grads[i] for i in group], **extra)
@@ -351,13 +363,6 @@ def _clip(grads, clipnorm, global_clipnorm, clipvalue):
     if clipvalue and clipvalue > 0:
         return [ops.clip(g, -clipvalue, clipvalue) for g in grads]
     return grads
-
-
-def _global_clip_scale(grads, clip_norm):
-    """The factor keras's clip_by_global_norm multiplies every gradient by."""
-    use_norm = global_norm(grads)
-    scale_for_finite = clip_norm * ops.minimum(1.0 / use_norm, 1.0 / clip_norm)
-    return scale_for_finite + (use_norm - use_norm)
 
 
 class _SGD:

@@ -1,4 +1,5 @@
-"""The dynamic loss-scale state machine of ../shared/spec/loss-scaling.md.
+"""The dynamic loss-scale state machine (docs/loss-scaling.md), and what can be
+concluded from its states about being stuck at the floor.
 
 Pure: no optimizer code and no TensorFlow import. `adjust` is written with a
 `where(cond, a, b)` select instead of Python branches on values, so the same
@@ -28,6 +29,9 @@ skipped by the optimizer, so non-finite values never reach the weights.
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
+
+import math
+import struct
 
 from kmp.config import LossScaleConfig
 
@@ -66,7 +70,7 @@ def adjust(
     """The state after one step, and whether that step is stuck at the floor.
 
     `where` must accept Python numbers beside tensors (see
-    `kmp.optimizer.typed_where`). `finite` is the step's overflow verdict, already agreed by every replica
+    `kmp.gradients.typed_where`). `finite` is the step's overflow verdict, already agreed by every replica
     and micro-batch. `stuck` is true when the step overflowed at the minimum
     scale with `raise_at_min_scale` on; the state then keeps its scale.
     """
@@ -122,4 +126,75 @@ def floor_message(scale: float, config: LossScaleConfig) -> str:
         "`min_scale`; or set `raise_at_min_scale=False` to keep skipping "
         "steps. Persistent overflows at scale 1 usually mean the model itself "
         "produces inf/nan (check the learning rate and the inputs)."
+    )
+
+
+# --- The floor, seen from outside the step -------------------------------
+# An XLA-compiled step cannot raise; kmp.callbacks.LossScaleMonitor compares
+# the state before and after an execution of several steps instead.
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to float32, as the optimizer's variables hold it."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # beyond float32's range: inf there
+        return math.copysign(math.inf, x)
+
+
+class WindowState(NamedTuple):
+    """The optimizer state the floor check compares, as Python numbers."""
+
+    scale: float
+    hysteresis_left: int
+    good_steps: int
+    overflows: int
+    iterations: int  # applied steps: a skipped step does not advance it (spec)
+
+
+def steps_clear_of_floor(config: LossScaleConfig, scale: float, hysteresis_left: int) -> int:
+    """How many steps from this state certainly cannot be stuck at the floor.
+
+    A stuck step needs `hysteresis_left <= 1` and `scale <= min_scale` before
+    it. Each overflow uses up one hysteresis (when more than one is left) or
+    backs the scale off once, and clean steps only raise both, so at least this
+    many overflows come first. float32 arithmetic, as in the optimizer.
+    """
+    floor = _f32(config.min_scale)
+    scale = _f32(scale)
+    backoffs = 0
+    while math.isfinite(scale) and scale > floor:
+        scale = max(_f32(scale * _f32(config.backoff_factor)), floor)
+        backoffs += 1
+    return max(int(hysteresis_left) - 1, 0) + backoffs
+
+
+def stuck_in_window(config: LossScaleConfig, before: WindowState, after: WindowState) -> bool:
+    """Whether the steps between two states certainly overflowed at the floor.
+
+    "Stuck" as in `adjust`: an overflow not absorbed by
+    hysteresis, with the scale already at `min_scale`. False when unsure (see
+    kmp.callbacks' docstring).
+    """
+    if not (config.dynamic and config.raise_at_min_scale):
+        return False
+    overflows = after.overflows - before.overflows
+    clean = after.iterations - before.iterations
+    at_floor = _f32(before.scale) <= _f32(config.min_scale) and before.hysteresis_left <= 1
+    if overflows <= 0 or not at_floor:
+        return False
+    if after.good_steps == clean:
+        # Every clean step came after the last overflow: the first step overflowed.
+        return True
+    return not _could_lift(config, before.good_steps, clean)
+
+
+def _could_lift(config: LossScaleConfig, good_steps: int, clean: int) -> bool:
+    """Whether `clean` clean steps, in any order with overflows, could raise the
+    scale or refill hysteresis above 1. Clean steps before the first overflow
+    count on from `good_steps`, those after an overflow from 0."""
+    if config.consecutive_hysteresis and config.hysteresis > 1:
+        return clean > 0
+    return any(
+        grows(config, good_steps + n) or grows(config, n) for n in range(1, clean + 1)
     )

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from kmp.config import Config
+from kmp.deepspeed import precision_of
 from kmp.errors import ConfigError, Problem, did_you_mean
 
 logger = logging.getLogger(__name__)
@@ -128,29 +129,6 @@ class Hardware:
         return cls("gpu", min(known) if len(known) == len(caps) else None)
 
 
-def _from_dict(config: Mapping[str, Any]) -> str:
-    """DeepSpeed's reading: a block without `enabled` is off; "bf16" wins over the older "bfloat16"."""
-    bf16_key = "bf16" if "bf16" in config else "bfloat16"
-    enabled: dict[str, bool] = {}
-    problems = []
-    for key in ("fp16", bf16_key):
-        block = config.get(key, {})
-        if not isinstance(block, Mapping):
-            problems.append(Problem(key, 'an object such as {"enabled": true}', block))
-            continue
-        enabled[key] = block.get("enabled", False)
-        if not isinstance(enabled[key], bool):  # e.g. HF Trainer's "auto", filled in by the Trainer
-            problems.append(Problem(f"{key}.enabled", "true or false", enabled[key], "Resolve 'auto' first."))
-    if enabled.get("fp16") is True and enabled.get(bf16_key) is True:
-        problems.append(Problem(
-            "fp16.enabled", f"false when {bf16_key}.enabled is true", True,
-            f"Enable only one of fp16.enabled and {bf16_key}.enabled.",
-        ))
-    if problems:
-        raise ConfigError(problems, "DeepSpeed config")
-    return "mixed_float16" if enabled["fp16"] else "mixed_bfloat16" if enabled[bf16_key] else "float32"
-
-
 def _auto(hardware: Hardware) -> str:
     cc = hardware.compute_capability
     gpu = f"GPU compute capability {cc}"
@@ -192,7 +170,8 @@ def resolve_precision(value: PrecisionLike, *, hardware: Hardware | None = None)
             raise _error(value.precision, "Config.precision", f"one of {', '.join(map(repr, _SHORT))}")
         return Precision(_SHORT[value.precision])
     elif isinstance(value, Mapping):
-        return Precision(_from_dict(value))
+        # The one DeepSpeed reader: the same blocks, defaults and errors as kmp.load_config.
+        return Precision(_SHORT[precision_of(value)])
     # `type is int`: True == 1 and 16.0 == 16 must not pass as spellings.
     if (type(value) is int or isinstance(value, str)) and value in _LEGACY:
         new = _LEGACY[value]

@@ -13,6 +13,11 @@ are clipped, and non-finite steps are skipped.
 Precision comes from, in order: `precision=`, the config's `fp16`/`bf16`
 block when one is enabled, the active global Keras policy. `wrap` never
 changes the global policy.
+
+`wrap` never changes the optimizer it is given. Clipping (DeepSpeed's
+`gradient_clipping`, a global-norm clip) is done by kmp's optimizer, after the
+all-reduce; where `wrap` returns a plain optimizer, it returns a copy
+(`from_config`) with `global_clipnorm` set.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import tensorflow as tf
 
 from kmp.config import Config, LossScaleConfig
 from kmp.deepspeed import load_config, resolve_batch_sizes
-from kmp.errors import Problem, check, did_you_mean
+from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.optimizer import LossScaleOptimizer
 from kmp.precision import Precision, resolve_precision
 
@@ -58,21 +63,21 @@ def wrap(optimizer, config=None, *, precision=None, **overrides):
     settings, extra = _with_overrides(settings, overrides)
     optimizer = _as_optimizer(optimizer)
     chosen = _choose_precision(precision, settings)
-    _apply_clipping(optimizer, settings.gradient_clipping)
+    clip = _clipping_to_add(optimizer, settings.gradient_clipping)
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     steps = _accumulation_steps(settings, replicas)
     if steps is not None:
         extra["gradient_accumulation_steps"] = steps
     extra.setdefault("communication", settings.communication())
     if chosen.needs_loss_scaling:
-        return LossScaleOptimizer.from_loss_scale_config(optimizer, settings.loss_scale, **extra)
+        return LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
     if replicas > 1 or steps is not None:
         # Keras clips each replica's local gradient before its all-reduce, and
         # its own accumulation fails under tf.distribute. kmp's optimizer does
         # both right; a static scale of 1 is that pipeline without scaling
         # (and it still skips non-finite steps).
-        return LossScaleOptimizer(optimizer, static_scale=1.0, **extra)
-    return optimizer
+        return LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
+    return optimizer if clip is None else _copy_with_clipping(optimizer, clip)
 
 
 def _accumulation_steps(settings: Config, replicas: int) -> int | None:
@@ -96,8 +101,17 @@ def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config
     scale = {k: v for k, v in overrides.items() if k in _SCALE_FIELDS}
     top = {k: v for k, v in overrides.items() if k in _TOP_FIELDS}
     extra = {k: v for k, v in overrides.items() if k in _OPTIMIZER_FIELDS}
-    settings = dataclasses.replace(settings, loss_scale=dataclasses.replace(settings.loss_scale, **scale), **top)
-    return settings.validated("kmp.wrap settings"), extra
+    loss_scale = settings.loss_scale
+    try:
+        loss_scale = dataclasses.replace(loss_scale, **scale)
+    except ConfigError as e:
+        problems += e.problems
+    try:
+        settings = dataclasses.replace(settings, loss_scale=loss_scale, **top)
+    except ConfigError as e:
+        problems += e.problems
+    check(problems, "kmp.wrap settings")
+    return settings, extra
 
 
 def _as_optimizer(optimizer) -> keras.optimizers.Optimizer:
@@ -135,16 +149,28 @@ def _choose_precision(precision, settings: Config) -> Precision:
     return chosen
 
 
-def _apply_clipping(optimizer: keras.optimizers.Optimizer, clip: float | None) -> None:
-    """DeepSpeed's `gradient_clipping` is a global-norm clip."""
+def _clipping_to_add(optimizer: keras.optimizers.Optimizer, clip: float | None) -> float | None:
+    """The global-norm clip kmp must add, or None (none asked, or the optimizer already clips so)."""
     if clip is None:
-        return
+        return None
     already = {k: getattr(optimizer, k) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
     already = {k: v for k, v in already.items() if v is not None}
-    if already and already != {"global_clipnorm": clip}:
+    if already == {"global_clipnorm": clip}:
+        return None
+    if already:
         name, value = next(iter(already.items()))
         check([Problem(
             "gradient_clipping", f"unset, since the optimizer already clips ({name}={value})", clip,
             "Set clipping in one place: the config or the optimizer.",
         )], "kmp.wrap settings")
-    optimizer.global_clipnorm = clip
+    return clip
+
+
+def _copy_with_clipping(optimizer: keras.optimizers.Optimizer, clip: float) -> keras.optimizers.Optimizer:
+    """A copy of the user's (unbuilt) optimizer with `global_clipnorm=clip`; the original is untouched."""
+    if optimizer.built:
+        check([Problem(
+            "optimizer", "an optimizer not built yet, when the config adds gradient_clipping", "a built optimizer",
+            f"Its state would be lost in a copy: set global_clipnorm={clip} on it yourself.",
+        )], "kmp.wrap arguments")
+    return type(optimizer).from_config({**optimizer.get_config(), "global_clipnorm": clip})

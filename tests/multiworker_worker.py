@@ -94,19 +94,19 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
     with strategy.scope():
         model = build_model(accumulation=accumulation, steps_per_execution=steps_per_execution)
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
-    reduce = kmp.optimizer.all_reduce_sum
+    reduce = kmp.distribute.communication.all_reduce_sum
 
     def counting(grads, *args, **kwargs):
         calls.assign_add(1)
         return reduce(grads, *args, **kwargs)
 
-    kmp.optimizer.all_reduce_sum = counting  # this process only, restored below
+    kmp.distribute.communication.all_reduce_sum = counting  # this process only, restored below
     if prepare:
         kmp.distribute.prepare(model)
     try:
         history = model.fit(make_dataset(x, y), epochs=EPOCHS, verbose=0, shuffle=False)
     finally:
-        kmp.optimizer.all_reduce_sum = reduce
+        kmp.distribute.communication.all_reduce_sum = reduce
     clean = [row for row in range(ROWS) if row != SPIKE_ROW][:40]  # 5 full global batches
     eval_loss = model.evaluate(make_dataset(x[clean], y[clean]), verbose=0)
     opt = model.optimizer
@@ -116,7 +116,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
         "loss": history.history["loss"],
         "eval_loss": eval_loss,
         "all_reduces": int(strategy.experimental_local_results(calls)[0].numpy()),
-        # kmp.replica_step's XLA functions, one per local replica (prepare's default).
+        # kmp.distribute.replica_step's XLA functions, one per local replica (prepare's default).
         "xla_per_replica": len(vars(model).get("_kmp_replica_steps", {})),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
@@ -142,13 +142,13 @@ def fit_error(strategy, replaced=()) -> str | None:
     """The error fit() raises for a throwaway model with only `replaced` of prepare's methods, or None."""
     import types
 
-    import kmp.trainer
+    import kmp.distribute.fit as kmp_prepare
 
     x, y = make_data()
     with strategy.scope():
         model = build_model(units=4)
     for name in replaced:
-        setattr(model, name, types.MethodType(kmp.trainer._REPLACEMENTS[name], model))
+        setattr(model, name, types.MethodType(kmp_prepare._REPLACEMENTS[name], model))
     try:
         model.fit(make_dataset(x, y).take(1), epochs=1, verbose=0, shuffle=False)
     except ValueError as error:

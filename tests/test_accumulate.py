@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import optimizer as kmp_optimizer
+from kmp.distribute import communication as kmp_communication
 from kmp.callbacks import GradientAccumulationScheduler
 from kmp.optimizer import LossScaleOptimizer
 
@@ -56,7 +56,7 @@ def test_an_overflow_in_any_micro_batch_skips_the_window_and_clears_it():
     np.testing.assert_array_equal(v[0].numpy(), [1.0, 1.0])
     assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 1
     assert float(opt.dynamic_scale.numpy()) == 2.0  # one decision for the window
-    np.testing.assert_array_equal(opt._accumulators[0].numpy(), [0.0, 0.0])
+    np.testing.assert_array_equal(opt.accumulation.sums[0].numpy(), [0.0, 0.0])
     for g in ([2.0, 2.0], [4.0, 4.0], [6.0, 6.0]):  # scaled by 2: unscaled mean is 2
         opt.apply([tf.constant(g)], v)
     np.testing.assert_array_equal(v[0].numpy(), [-1.0, -1.0])
@@ -103,13 +103,13 @@ def test_schedule_weight_decay_and_ema_tick_once_per_window():
 def test_one_all_reduce_per_window_under_mirrored(two_replicas, monkeypatch):
     with two_replicas.scope():
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
-    original = kmp_optimizer.all_reduce_sum
+    original = kmp_communication.all_reduce_sum
 
     def counting(grads, *args, **kwargs):
         calls.assign_add(1)  # replica context: each replica counts its own calls
         return original(grads, *args, **kwargs)
 
-    monkeypatch.setattr(kmp_optimizer, "all_reduce_sum", counting)
+    monkeypatch.setattr(kmp_communication, "all_reduce_sum", counting)
     _, opt = _train(two_replicas, "float32", lambda: keras.optimizers.SGD(0.01), batch=8, steps=4,
                     static_scale=1.0)
     micro_steps = 2 * len(X) // 8
@@ -162,8 +162,8 @@ def test_accumulators_round_trip_in_checkpoints(tmp_path):
     prefix = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
     opt.apply([tf.constant([5.0, 5.0])], v)
     tf.train.Checkpoint(optimizer=opt).restore(prefix)
-    np.testing.assert_array_equal(opt._accumulators[0].numpy(), [1.0, 2.0])
-    assert int(opt.micro_steps.numpy()) == 1
+    np.testing.assert_array_equal(opt.accumulation.sums[0].numpy(), [1.0, 2.0])
+    assert int(opt.accumulation.micro_steps.numpy()) == 1
     assert LossScaleOptimizer.from_config(opt.get_config()).get_config()["gradient_accumulation_steps"] == 3
 
 

@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from kmp import callbacks as kmp_callbacks
 from kmp import loss_scale
-from kmp.callbacks import LossScaleMonitor, WindowState, steps_clear_of_floor, stuck_in_window
+from kmp.callbacks import LossScaleMonitor
+from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
 from kmp.config import LossScaleConfig
 from kmp.errors import LossScaleError
 from kmp.optimizer import LossScaleOptimizer

@@ -1,11 +1,12 @@
-"""kmp.communication: flat buckets, communication dtype, pre-divide factor, on two real replicas."""
+"""kmp.distribute.communication: flat buckets, communication dtype, pre-divide factor, on two real replicas."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.communication import Communication, _buckets, all_reduce_sum
+from kmp.config import Communication
+from kmp.distribute.communication import _buckets, all_reduce_sum
 from kmp.errors import ConfigError
 from kmp.optimizer import LossScaleOptimizer
 
@@ -116,7 +117,7 @@ def test_communication_settings_round_trip_and_bad_values_name_their_path():
     with pytest.raises(ConfigError) as info:
         LossScaleOptimizer(keras.optimizers.SGD(0.1), communication={"dtype": "fp8", "predivide_factor": -1})
     message = str(info.value)
-    assert "communication.dtype" in message and "float32, float16, bfloat16" in message
+    assert "communication.dtype" in message and "'float32', 'float16', 'bfloat16'" in message
     assert "communication.predivide_factor" in message
     with pytest.raises(ConfigError, match="communication.bucket"):
         LossScaleOptimizer(keras.optimizers.SGD(0.1), communication={"bucket": 1})

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import warnings
 
+import types
+
 import pytest
 
 from kmp.config import Config, LossScaleConfig
@@ -481,8 +483,33 @@ def test_world_size_must_be_a_positive_int(world):
 
 
 def test_non_positive_batch_values_are_reported_by_their_deepspeed_key():
-    config = Config(train_batch_size=0, micro_batch_size=-1, gradient_accumulation_steps=0)
+    # A kmp.Config cannot hold these (it is validated when made); any object
+    # with the three fields can be given, and is checked the same way.
+    with pytest.raises(ConfigError):
+        Config(train_batch_size=0)
+    config = types.SimpleNamespace(train_batch_size=0, micro_batch_size=-1, gradient_accumulation_steps=0)
     with pytest.raises(ConfigError) as info:
         resolve_batch_sizes(config, 0)
     assert [p.path for p in info.value.problems] == [
         "world_size", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+
+
+@pytest.mark.parametrize("raw, path", [
+    ({"communication_data_type": []}, "communication_data_type"),       # unhashable: not a bare TypeError
+    ({"communication_data_type": {"fp16": 1}}, "communication_data_type"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 200}, "kmp": {"max_scale": 1e300}}, "fp16.initial_scale_power"),
+    ({"fp16": {"enabled": True, "hysteresis": 2**63}}, "fp16.hysteresis"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 2**70}}, "fp16.loss_scale_window"),
+    ({"gradient_clipping": 3.5e38}, "gradient_clipping"),
+    ({"gradient_predivide_factor": 1e-300}, "gradient_predivide_factor"),
+    ({"gradient_predivide_factor": 1e300}, "gradient_predivide_factor"),
+])
+def test_values_float32_or_int64_cannot_hold_are_errors_with_their_key(raw, path):
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert path in [p.path for p in info.value.problems]
+
+
+def test_json_text_that_is_not_an_object_is_not_taken_for_a_path():
+    with pytest.raises(ConfigError, match=r"\(top level\): expected a JSON object"):
+        load_config("[1, 2, 3]")

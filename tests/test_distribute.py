@@ -6,7 +6,6 @@ first); `_BUILDERS` is replaced by recorders to check what would be built.
 MultiWorkerMirroredStrategy runs for real in tests/test_multiworker.py.
 """
 
-import inspect
 import json
 import warnings
 
@@ -14,10 +13,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as tf_trainer
 
 import kmp
-from kmp import distribute, trainer
+from kmp import distribute
+from kmp.distribute import fit as trainer
+from kmp.distribute import strategy as strategy_module
 from kmp.deepspeed import load_config
 from kmp.errors import ConfigError
 from kmp.precision import Precision
@@ -32,8 +32,8 @@ NO_TPU = lambda: None  # noqa: E731
 def built(monkeypatch):
     """Replaces every strategy constructor with a recorder; returns the calls."""
     calls = []
-    for name in distribute._BUILDERS:
-        monkeypatch.setitem(distribute._BUILDERS, name, lambda _n=name, **kw: calls.append((_n, kw)) or _n)
+    for name in strategy_module._BUILDERS:
+        monkeypatch.setitem(strategy_module._BUILDERS, name, lambda _n=name, **kw: calls.append((_n, kw)) or _n)
     monkeypatch.delenv("TF_CONFIG", raising=False)
     return calls
 
@@ -89,10 +89,10 @@ def test_tf_config_from_the_environment(built, monkeypatch):
 
 
 def test_tf_config_given_in_code_becomes_a_cluster_resolver():
-    resolver = distribute._cluster_resolver(TWO_WORKERS)
+    resolver = strategy_module._cluster_resolver(TWO_WORKERS)
     assert resolver.cluster_spec().as_dict() == TWO_WORKERS["cluster"]
     assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 1, "grpc")
-    assert distribute._cluster_resolver(None) is None
+    assert strategy_module._cluster_resolver(None) is None
 
 
 @pytest.mark.parametrize("name", ["mirrored", "multi_worker_mirrored", "default"])
@@ -110,7 +110,7 @@ def test_default_is_the_real_default_strategy(no_env):
     assert distribute.resolve_strategy("default") is tf.distribute.get_strategy()
     # The real detection (no TPU, no TF_CONFIG, no GPU on this machine) builds it too.
     assert distribute.resolve_strategy() is tf.distribute.get_strategy()
-    assert distribute._find_tpu() is None
+    assert strategy_module._find_tpu() is None
 
 
 def test_a_strategy_instance_wins(two_replicas):
@@ -217,13 +217,13 @@ def _model(seed=0, units=8):
 
 
 def test_prepare_changes_this_instance_only():
-    stock = {name: getattr(tf_trainer.TensorFlowTrainer, name) for name in trainer._REPLACEMENTS}
+    stock = {name: getattr(keras.Model, name) for name in trainer._REPLACEMENTS}
     ours, other = _model(), _model()
     assert distribute.prepare(ours) is ours
     assert distribute.is_prepared(ours)
     assert not distribute.is_prepared(other)
     for name, method in stock.items():
-        assert getattr(tf_trainer.TensorFlowTrainer, name) is method
+        assert getattr(keras.Model, name) is method
         assert getattr(type(ours), name) is method
         assert name not in vars(other)
         assert getattr(ours, name).__func__ is trainer._REPLACEMENTS[name]
@@ -261,7 +261,11 @@ def test_local_batch_has_the_shapes_and_dtypes_of_kerass_reduce(two_replicas):
 
 
 def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, monkeypatch):
-    """On one worker Keras's reduce works: the prepared model must train exactly as a stock one."""
+    """On one worker Keras's reduce works: the prepared model must train exactly as a stock one.
+
+    Without XLA, so that only the first-batch build differs: XLA's float16
+    arithmetic rounds differently on some CPUs (AVX512_FP16).
+    """
     seen = []
     real_local_batch = distribute.local_batch
     monkeypatch.setattr(trainer, "local_batch", lambda s, b: seen.append(b) or real_local_batch(s, b))
@@ -273,7 +277,7 @@ def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, mon
         with two_replicas.scope():
             model = _model()
         if prepare:
-            distribute.prepare(model)
+            distribute.prepare(model, jit_compile=False)
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         scores = model.evaluate(x, y, batch_size=8, verbose=0)
         results.append((model.get_weights(), history.history, scores, model.optimizer.iterations.numpy()))
@@ -325,23 +329,6 @@ def test_outputs_get_a_replica_axis_for_multi_worker_reduction():
     per_replica = [out["f1"], 3 * out["f1"]]
     mean = tf.reduce_sum(tf.concat(per_replica, 0), 0) / 2
     np.testing.assert_array_equal(mean, [2.0, 2.0, 2.0])
-
-
-def test_keras_methods_prepare_relies_on():
-    """If an upgrade renames or reshapes these, prepare() must be revisited."""
-    keras_trainer = tf_trainer.TensorFlowTrainer
-    assert list(inspect.signature(keras_trainer._maybe_symbolic_build).parameters) == [
-        "self", "iterator", "data_batch"]
-    assert list(inspect.signature(keras_trainer._make_function).parameters) == ["self", "step_function"]
-    source = inspect.getsource(keras_trainer._maybe_symbolic_build)
-    assert "if iterator is not None:" in source and "self._symbolic_build(data_batch=data_batch)" in source
-    reduce_source = inspect.getsource(tf_trainer.reduce_per_replica)
-    assert 'strategy.reduce("MEAN", v, axis=0)' in reduce_source
-    assert list(inspect.signature(tf_trainer.reduce_per_replica).parameters) == ["values", "strategy", "reduction"]
-    assert callable(tf_trainer._collective_all_reduce_multi_worker)
-    # kmp's multi-step loop wraps its step as Keras wraps one_step_on_data.
-    assert list(inspect.signature(keras_trainer._autoconvert_optionals).parameters) == ["self", "step_func"]
-    assert "self._autoconvert_optionals(one_step_on_data)" in inspect.getsource(keras_trainer._make_function)
 
 
 # ---------------------------------------------------------------- TPU seams

@@ -314,19 +314,6 @@ def test_steps_go_with_their_optimizer():
     assert len(fused._STEPS) == count - 1
 
 
-def test_keras_hooks_fused_relies_on():
-    opt = keras.optimizers.AdamW(0.01)
-    opt.exclude_from_weight_decay(var_names=["bias"])
-    variables = _variables()
-    opt.build(variables)
-    assert [opt._use_weight_decay(v) for v in variables] == [True, False, True]
-    assert opt._momentums[opt._get_variable_index(variables[1])].shape == (3,)
-    assert callable(fused.clip_by_global_norm)
-    from tensorflow.python.distribute import values
-
-    assert callable(values.DistributedVariable._get_on_device_or_primary)
-
-
 # --- Replicas: two logical CPU devices ---------------------------------------
 
 

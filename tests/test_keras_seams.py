@@ -1,20 +1,26 @@
-"""The Keras and TensorFlow internals kmp relies on still exist and behave.
+"""Every Keras and TensorFlow internal kmp touches still exists and behaves.
 
-kmp pins Keras 3.15 / TensorFlow 2.21 because kmp.LossScaleOptimizer
-subclasses Keras's class and uses a few private hooks. When an upgrade moves
-one of them, this file fails first, naming the hook, instead of training
-silently going wrong.
+kmp pins Keras 3.15 / TensorFlow 2.21 because it subclasses Keras's
+LossScaleOptimizer and uses private parts of both. kmp/seams.py lists them
+all (MODULE_SEAMS, ATTRIBUTE_SEAMS); this file checks every entry, so an
+upgrade that moves one fails here first, naming it, instead of training
+silently going wrong. It also checks that a moved seam breaks only the
+feature that needs it.
 """
 
 import hashlib
 import inspect
+import subprocess
+import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.tensorflow import optimizer as tf_optimizer
-from keras.src.backend.tensorflow import trainer as tf_trainer
-from tensorflow.python.ops import control_flow_util
+
+import kmp
+from kmp import fused, seams
+from kmp.errors import KmpError
 
 
 def test_pinned_versions():
@@ -22,12 +28,103 @@ def test_pinned_versions():
     assert tf.__version__.startswith("2.21."), tf.__version__
 
 
-def test_inner_optimizer_reduction_hook_exists():
-    # kmp all-reduces once and replaces this on its inner optimizer only.
-    hook = tf_optimizer.TFOptimizer._all_reduce_sum_gradients
+# --- The tables -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(seams.MODULE_SEAMS))
+def test_every_module_seam_resolves(name):
+    assert callable(seams.get(name))
+
+
+def _model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _built(kind):
+    opt = kind(0.1)
+    opt.build([keras.Variable([1.0, 2.0], name="w")])
+    return opt
+
+
+def _objects(strategy):
+    """One real object of each kind ATTRIBUTE_SEAMS names."""
+    with strategy.scope():
+        mirrored = tf.Variable(1.0)
+    return {
+        "keras.Model (TensorFlow trainer)": [_model()],
+        "keras.optimizers.Optimizer": [_built(keras.optimizers.Adam), _built(keras.optimizers.AdamW)],
+        "keras TFOptimizer": [keras.optimizers.SGD()],
+        "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
+        "tf.distribute DistributedVariable": [mirrored],
+        "tf.__internal__.distribute": [tf.__internal__.distribute],
+    }
+
+
+def test_every_attribute_seam_exists_on_a_real_object(two_replicas):
+    objects = _objects(two_replicas)
+    assert set(objects) == set(seams.ATTRIBUTE_SEAMS)
+    missing = [
+        f"{kind}.{name}"
+        for kind, names in seams.ATTRIBUTE_SEAMS.items()
+        for obj in objects[kind]
+        for name in names
+        if not hasattr(obj, name)
+    ]
+    assert not missing, f"Keras/TensorFlow moved: {missing}"
+
+
+def test_optional_element_spec_can_be_set_as_prepare_does():
+    # kmp.prepare's multi-step loop starts from an empty Optional and gives it
+    # the spec of the first step's outputs once traced.
+    empty = tf.experimental.Optional.empty(None)
+    full = tf.experimental.Optional.from_value(tf.constant([1.0]))
+    empty._element_spec = full.element_spec
+    assert empty.element_spec == full.element_spec
+
+
+# --- How kmp uses them ------------------------------------------------------
+
+
+def test_import_kmp_resolves_no_seam():
+    code = "import kmp, kmp.seams; print(sorted(kmp.seams.resolved()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"TF_CPP_MIN_LOG_LEVEL": "3", **__import__("os").environ})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_moved_seam_breaks_only_the_feature_that_needs_it(monkeypatch):
+    monkeypatch.setitem(seams.MODULE_SEAMS, "TensorFlowTrainer",
+                        ("keras.src.moved_away", "TensorFlowTrainer", "kmp.prepare: a test"))
+    monkeypatch.setattr(seams, "_resolved", {})
+    x, y = np.ones((8, 2), "float32"), np.ones((8, 1), "float32")
+    model = _model()
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), precision="mixed_float16"), loss="mse")
+    model.fit(x, y, verbose=0)  # wrap and kmp's optimizer need no trainer internals
+    prepared = kmp.prepare(_model())
+    with pytest.raises(KmpError, match="keras.src.moved_away.TensorFlowTrainer"):
+        prepared.fit(x, y, verbose=0)
+
+
+def test_missing_optimizer_internals_make_fused_fall_back(monkeypatch, caplog):
+    monkeypatch.setattr(fused, "_INTERNALS", fused._INTERNALS + ("_moved_in_a_later_keras",))
+    opt = keras.optimizers.Adam(0.1)
+    assert "_moved_in_a_later_keras" in fused.fused_support(opt)
+    variable = keras.Variable([1.0, 2.0])
+    reference = keras.Variable([1.0, 2.0])
+    fused.fused_apply(opt, [tf.constant([0.5, -0.5])], [variable])
+    keras.optimizers.Adam(0.1).apply([tf.constant([0.5, -0.5])], [reference])
+    np.testing.assert_array_equal(variable.numpy(), reference.numpy())
+
+
+def test_inner_optimizer_reduction_hook():
+    # kmp all-reduces once and shadows this on its inner optimizer for one call.
+    tf_optimizer = seams.get("TFOptimizer")
+    hook = tf_optimizer._all_reduce_sum_gradients
     assert list(inspect.signature(hook).parameters) == ["self", "grads_and_vars"]
-    source = inspect.getsource(tf_optimizer.TFOptimizer._backend_update_step)
-    assert "self._all_reduce_sum_gradients(" in source
+    assert "self._all_reduce_sum_gradients(" in inspect.getsource(tf_optimizer._backend_update_step)
 
 
 @pytest.mark.parametrize(
@@ -46,81 +143,107 @@ def test_keras_loss_scale_optimizer_state_names():
     assert opt.iterations is opt.inner_optimizer.iterations
 
 
-def test_trainer_scales_the_loss_and_applies_through_the_optimizer():
-    source = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
-    assert "self.optimizer.scale_loss(loss)" in source
-    assert "self.optimizer.apply_gradients(" in source
+def test_public_routes_kmp_takes_are_the_same_objects():
+    # Where Keras/TF export a seam publicly, kmp uses the export.
+    from keras.src.backend.common.stateless_scope import StatelessScope
+    from keras.src.trainers.data_adapters import data_adapter_utils
 
-
-def test_distribution_internals():
+    assert keras.StatelessScope is StatelessScope
+    assert {"state_mapping", "collect_losses"} <= set(inspect.signature(StatelessScope).parameters)
+    with keras.StatelessScope(state_mapping=[(keras.Variable(1.0), tf.constant(2.0))]) as scope:
+        assert isinstance(scope.state_mapping, dict) and callable(scope.get_current_value)
+    assert keras.utils.unpack_x_y_sample_weight is data_adapter_utils.unpack_x_y_sample_weight
+    assert callable(tf.__internal__.distribute.interim.maybe_merge_call)
     assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
-    assert callable(control_flow_util.GraphOrParentsInXlaContext)
-    from keras.src.utils import tracking
 
-    assert callable(tracking.no_automatic_dependency_tracking)
+
+def test_trainer_internals_the_replica_step_and_prepare_use():
+    """kmp.distribute.replica_step rebuilds Keras's train_step from these parts; prepare swaps two methods."""
+    trainer = seams.get("TensorFlowTrainer")
+    source = inspect.getsource(trainer.train_step)
+    for part in ("self.optimizer.scale_loss(loss)", "self.optimizer.apply_gradients(", "self._compute_loss(",
+                 "self._loss_tracker.update_state(", "unscale_loss_for_distribution(", "self.compute_metrics(",
+                 "self._call_has_training_arg"):
+        assert part in source, part
+    assert "self.jit_compile" in inspect.getsource(trainer._make_function)
+    assert "self._make_function(self.train_step)" in inspect.getsource(trainer.make_train_function)
+    assert list(inspect.signature(trainer._maybe_symbolic_build).parameters) == ["self", "iterator", "data_batch"]
+    assert list(inspect.signature(trainer._make_function).parameters) == ["self", "step_function"]
+    build = inspect.getsource(trainer._maybe_symbolic_build)
+    assert "if iterator is not None:" in build and "self._symbolic_build(data_batch=data_batch)" in build
+    reduce = seams.get("reduce_per_replica")
+    assert 'strategy.reduce("MEAN", v, axis=0)' in inspect.getsource(reduce)
+    assert list(inspect.signature(reduce).parameters) == ["values", "strategy", "reduction"]
+    # kmp's multi-step loop wraps its step as Keras wraps one_step_on_data.
+    assert list(inspect.signature(trainer._autoconvert_optionals).parameters) == ["self", "step_func"]
+    assert "self._autoconvert_optionals(one_step_on_data)" in inspect.getsource(trainer._make_function)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert model._jit_compile is None or isinstance(model._jit_compile, (bool, str))
 
 
 def test_optimizer_internals_the_fused_update_reads():
     """kmp.fused reads Keras's optimizer state directly and redoes its update_step."""
-    from keras.src.optimizers import base_optimizer
-
     for kind in (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW):
         opt = kind(0.1, momentum=0.5) if kind is keras.optimizers.SGD else kind(0.1)
         variable = keras.Variable([1.0, 2.0], name="w")
         opt.build([variable])
+        assert fused.fused_support(opt) is None
         assert opt._learning_rate is not None and opt._iterations is opt.iterations
         assert opt._get_variable_index(variable) == 0
         assert opt._var_key(variable) in opt._trainable_variables_indices
         assert isinstance(opt._use_weight_decay(variable), bool)
-        assert callable(opt._filter_empty_gradients)
         if kind is keras.optimizers.SGD:
             assert len(opt.momentums) == 1
         else:
             assert len(opt._momentums) == len(opt._velocities) == 1
-    assert callable(base_optimizer.clip_by_global_norm) and callable(base_optimizer.global_norm)
-    from tensorflow.python.distribute import values as tf_values
+    opt = keras.optimizers.AdamW(0.01)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    variables = [keras.Variable(np.ones(3, "float32"), name=n) for n in ("kernel", "bias", "other")]
+    opt.build(variables)
+    assert [opt._use_weight_decay(v) for v in variables] == [True, False, True]
 
-    assert callable(tf_values.DistributedVariable._get_on_device_or_primary)
+
+# kmp redoes these Keras functions op for op (kmp/fused.py, kmp/gradients.py).
+# Fingerprints of their source (whitespace ignored): when one changes,
+# re-check kmp against it (tests/test_fused.py's parity tests show how far
+# apart they are), then update the fingerprint here.
+def _keras_private(module, name):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
-# kmp/fused.py redoes these Keras functions op for op. Fingerprints of their
-# source (whitespace ignored): when one changes, re-check fused.py against it
-# (tests/test_fused.py's parity tests show how far apart they are), then
-# update the fingerprint here.
 UPDATE_RULES = {
-    "SGD.update_step": (keras.optimizers.SGD.update_step, "1fa1856e20146af0"),
-    "Adam.update_step": (keras.optimizers.Adam.update_step, "878399c78327be7a"),
-    "AdamW.update_step": (keras.optimizers.AdamW.update_step, "878399c78327be7a"),
-    "TFOptimizer._apply_weight_decay": (tf_optimizer.TFOptimizer._apply_weight_decay, "73a2702187683640"),
-    "BaseOptimizer._clip_gradients": (keras.optimizers.Optimizer._clip_gradients, "3461e882ec4efad2"),
+    "SGD.update_step": (lambda: keras.optimizers.SGD.update_step, "1fa1856e20146af0"),
+    "Adam.update_step": (lambda: keras.optimizers.Adam.update_step, "878399c78327be7a"),
+    "AdamW.update_step": (lambda: keras.optimizers.AdamW.update_step, "878399c78327be7a"),
+    "TFOptimizer._apply_weight_decay": (lambda: seams.get("TFOptimizer")._apply_weight_decay, "73a2702187683640"),
+    "BaseOptimizer._clip_gradients": (lambda: keras.optimizers.Optimizer._clip_gradients, "3461e882ec4efad2"),
+    "clip_by_global_norm": (
+        lambda: _keras_private("keras.src.optimizers.base_optimizer", "clip_by_global_norm"), None),
+    "global_norm": (lambda: _keras_private("keras.src.optimizers.base_optimizer", "global_norm"), None),
 }
 
 
+def _fingerprint(function):
+    return hashlib.sha256("".join(inspect.getsource(function).split()).encode()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("name", sorted(UPDATE_RULES))
-def test_update_rules_fused_mirrors_are_unchanged(name):
+def test_update_rules_kmp_mirrors_are_unchanged(name):
     function, fingerprint = UPDATE_RULES[name]
-    digest = hashlib.sha256("".join(inspect.getsource(function).split()).encode()).hexdigest()[:16]
-    assert digest == fingerprint, f"Keras changed {name}: re-check kmp/fused.py against it"
+    if fingerprint is None:  # kmp.gradients has the same source, bar names
+        return
+    assert _fingerprint(function()) == fingerprint, f"Keras changed {name}: re-check kmp/fused.py against it"
 
 
-def test_trainer_internals_the_replica_step_and_prepare_use():
-    """kmp.replica_step rebuilds Keras's train_step from these parts; prepare swaps two methods."""
-    from keras.src.backend.common.stateless_scope import StatelessScope
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers import trainer as base_trainer
-    from keras.src.trainers.data_adapters import data_adapter_utils
+def test_kmp_global_norm_clip_equals_keras_bit_for_bit():
+    from kmp import gradients
 
-    source = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
-    for part in ("self._compute_loss(", "self._loss_tracker.update_state(", "unscale_loss_for_distribution(",
-                 "self.compute_metrics(", "self._call_has_training_arg"):
-        assert part in source, part
-    assert "self.jit_compile" in inspect.getsource(tf_trainer.TensorFlowTrainer._make_function)
-    assert "self._make_function(self.train_step)" in inspect.getsource(tf_trainer.TensorFlowTrainer.make_train_function)
-    assert callable(loss_module.unscale_loss_for_distribution)
-    assert callable(data_adapter_utils.unpack_x_y_sample_weight)
-    assert callable(base_trainer.model_supports_jit)
-    assert {"state_mapping", "collect_losses"} <= set(inspect.signature(StatelessScope).parameters)
-    with StatelessScope(state_mapping=[(keras.Variable(1.0), tf.constant(2.0))]) as scope:
-        assert isinstance(scope.state_mapping, dict) and callable(scope.get_current_value)
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    assert model._jit_compile is None or isinstance(model._jit_compile, (bool, str))
+    keras_clip = _keras_private("keras.src.optimizers.base_optimizer", "clip_by_global_norm")
+    grads = [tf.constant(np.linspace(-3, 5, 7, dtype="float32")), tf.constant([[1e3, -2e-3]], "float32")]
+    for clip in (0.5, 1e6):
+        for ours, theirs in zip(gradients.clip_by_global_norm(grads, clip), keras_clip(grads, clip)):
+            np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    inf = [tf.constant([np.inf, 1.0], "float32")]
+    assert np.isnan(gradients.clip_by_global_norm(inf, 1.0)[0].numpy()).all()

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from kmp.config import LossScaleConfig
 from kmp.loss_scale import adjust, floor_message, initial_state, run
-from kmp.optimizer import typed_where
+from kmp.gradients import typed_where
 
 C, O = True, False
 
@@ -80,7 +80,7 @@ GOLDEN = {
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_sequence(name):
     settings, flags, expected = GOLDEN[name]
-    config = LossScaleConfig(**settings).validated()
+    config = LossScaleConfig(**settings)
     got = [(s.scale, s.hysteresis_left, s.good_steps) for s in run(config, flags)]
     assert got == expected
 

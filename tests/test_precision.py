@@ -8,6 +8,8 @@ import keras
 import numpy as np
 import pytest
 
+import kmp
+
 from kmp.config import Config
 from kmp.errors import ConfigError
 from kmp.precision import (
@@ -159,7 +161,8 @@ def test_kmp_config_precision(short, expected):
 
 
 def test_invalid_kmp_config_precision_names_the_field():
-    with pytest.raises(ConfigError, match=r"Received: Config.precision='fp8'"):
+    # A Config is validated when made, so resolve_precision never sees a bad one.
+    with pytest.raises(ConfigError, match=r"Received: precision='fp8'"):
         resolve_precision(Config(precision="fp8"))
 
 
@@ -187,14 +190,25 @@ def test_deepspeed_both_enabled_names_both_key_paths(bf16_key):
     with pytest.raises(ConfigError) as info:
         resolve_precision(config)
     message = str(info.value)
-    assert "Invalid DeepSpeed config (1 problem)" in message
+    assert "Invalid DeepSpeed config" in message
     assert "fp16.enabled" in message and f"{bf16_key}.enabled" in message
+    # One reader: the same problems as kmp.load_config reports for the file.
+    with pytest.raises(ConfigError) as loaded:
+        kmp.load_config(config)
+    assert loaded.value.problems == info.value.problems
+
+
+def test_deepspeed_bf16_and_its_old_name_together_are_refused_by_every_entry_point():
+    config = {"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}
+    for read in (resolve_precision, kmp.load_config):
+        with pytest.raises(ConfigError, match="bfloat16: expected no bfloat16 block next to bf16"):
+            read(config)
 
 
 def test_deepspeed_bad_values_are_all_reported():
     with pytest.raises(ConfigError) as info:
         resolve_precision({"fp16": {"enabled": "auto"}, "bf16": True})
-    assert [(p.path, p.received) for p in info.value.problems] == [("fp16.enabled", "auto"), ("bf16", True)]
+    assert sorted((p.path, str(p.received)) for p in info.value.problems) == [("bf16", "True"), ("fp16.enabled", "auto")]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""kmp.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs)."""
+"""kmp.distribute.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs)."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import replica_step
+from kmp.distribute import replica_step
 from kmp.errors import ConfigError
 
 RNG = np.random.default_rng(0)

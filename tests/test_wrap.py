@@ -53,7 +53,8 @@ def test_deepspeed_config_from_file_sets_deepspeed_defaults_and_clipping(tmp_pat
     config = opt.loss_scale_config
     assert (config.initial_scale, config.dynamic_growth_steps, config.hysteresis) == (2.0**16, 1000, 4)
     assert config.growth_rule == "after_window"
-    assert opt.inner_optimizer.global_clipnorm == 1.0
+    # kmp's optimizer clips (after the all-reduce); the user's Adam is untouched.
+    assert opt.gradient_clipping == 1.0 and opt.inner_optimizer.global_clipnorm is None
 
 
 def test_config_enables_fp16_but_the_policy_is_float32_warns():
@@ -68,14 +69,60 @@ def test_config_without_precision_follows_the_policy():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt = kmp.wrap(keras.optimizers.SGD(), {"gradient_clipping": 0.5})
-    assert isinstance(opt, LossScaleOptimizer) and opt.inner_optimizer.global_clipnorm == 0.5
+    assert isinstance(opt, LossScaleOptimizer) and opt.gradient_clipping == 0.5
 
 
-def test_bf16_gets_the_plain_optimizer_with_clipping():
+def test_bf16_gets_a_plain_copy_with_clipping_and_the_original_is_untouched():
     keras.config.set_dtype_policy("mixed_bfloat16")
-    inner = keras.optimizers.SGD()
-    assert kmp.wrap(inner, {"bf16": {"enabled": True}, "gradient_clipping": 2.0}) is inner
-    assert inner.global_clipnorm == 2.0
+    inner = keras.optimizers.SGD(0.25, momentum=0.5)
+    before = inner.get_config()
+    copy = kmp.wrap(inner, {"bf16": {"enabled": True}, "gradient_clipping": 2.0})
+    assert type(copy) is keras.optimizers.SGD and copy is not inner
+    assert copy.global_clipnorm == 2.0
+    assert copy.get_config() == {**before, "global_clipnorm": 2.0}
+    assert inner.get_config() == before
+    # Clipping the optimizer already does is not added twice.
+    same = keras.optimizers.SGD(global_clipnorm=2.0)
+    assert kmp.wrap(same, {"bf16": {"enabled": True}, "gradient_clipping": 2.0}) is same
+    # A built optimizer cannot be copied without losing its state: say so.
+    built = keras.optimizers.SGD()
+    built.build([keras.Variable(1.0)])
+    with pytest.raises(kmp.ConfigError, match="global_clipnorm=2.0 on it yourself"):
+        kmp.wrap(built, {"bf16": {"enabled": True}, "gradient_clipping": 2.0})
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "float32"])
+def test_wrap_leaves_the_users_optimizer_as_it_was(two_replicas, policy):
+    """After wrapping and training, the optimizer has no kmp attribute, and used
+    alone under MirroredStrategy it still all-reduces its gradients."""
+    import tensorflow as tf
+
+    keras.config.set_dtype_policy(policy)
+    with two_replicas.scope():
+        inner = keras.optimizers.SGD(1.0)
+        config = inner.get_config()
+        wrapped = kmp.wrap(inner, {"gradient_clipping": 10.0}, log_overflows=False)
+        weight = keras.Variable(np.zeros(1, "float32"))
+        wrapped.build([weight])  # builds inner too: its own slots, as Keras's wrapper does
+    assert wrapped.inner_optimizer is inner and inner.get_config() == config
+    attributes = set(vars(inner))
+
+    def run(opt, var, scale=1.0):
+        @tf.function
+        def step():
+            def fn():
+                rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+                opt.apply([tf.reshape((rid + 1.0) * scale, (1,))], [var])  # local grads 1 and 2
+            two_replicas.run(fn)
+        step()
+        return [v.numpy() for v in two_replicas.experimental_local_results(var.value)]
+
+    scale = float(wrapped.dynamic_scale.numpy())
+    assert [list(v) for v in run(wrapped, weight, scale)] == [[-3.0], [-3.0]]
+    assert "_all_reduce_sum_gradients" not in vars(inner)
+    assert set(vars(inner)) == attributes and inner.get_config() == config
+    # Alone, its update sums the local gradients across replicas: 1 + 2 more.
+    assert [list(v) for v in run(inner, weight)] == [[-6.0], [-6.0]]
 
 
 def test_overrides_and_their_errors():

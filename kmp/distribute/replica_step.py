@@ -31,14 +31,9 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.backend.common.stateless_scope import StatelessScope
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.trainers.trainer import model_supports_jit
 
-from kmp.tpu import is_tpu_strategy
+from kmp import seams
+from kmp.distribute.tpu import is_tpu_strategy
 
 JIT_CHOICES = ("auto", True, False)
 
@@ -57,18 +52,18 @@ def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
     if setting is False or model.run_eagerly or not splits_replicas(model.distribute_strategy):
         return False
-    return setting is True or bool(model_supports_jit(model))
+    return setting is True or bool(seams.get("model_supports_jit")(model))
 
 
 @tf.autograph.experimental.do_not_convert
 def train_step(model: keras.Model, data):
     """Keras's `train_step`, with the forward/backward pass under XLA on this replica."""
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if model.optimizer is None:
         raise ValueError("The model has no optimizer: call model.compile(optimizer=...) before fit().")
     if not model.trainable_variables:
         warnings.warn("The model does not have any trainable weights.")
-        return TensorFlowTrainer.train_step(model, data)
+        return seams.get("TensorFlowTrainer").train_step(model, data)
     trainable = model.trainable_variables
     others = model.non_trainable_variables + model.metrics_variables
     values = [tf.convert_to_tensor(v.value) for v in trainable]
@@ -80,8 +75,8 @@ def train_step(model: keras.Model, data):
     for index, value in writes.items():
         others[int(index)].assign(value)
     model._loss_tracker.update_state(
-        loss_module.unscale_loss_for_distribution(loss),
-        sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+        seams.get("unscale_loss_for_distribution")(loss),
+        sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
     )
     model.optimizer.apply(grads, trainable)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -108,7 +103,7 @@ def _forward_backward(model, values, other_values, scale, x, y, sample_weight):
     mapping = list(zip(trainable, values)) + list(zip(others, other_values))
     with tf.GradientTape() as tape:
         tape.watch(values)
-        with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             entered = dict(scope.state_mapping)  # the scope's own copies of the values
             kwargs = {"training": True} if model._call_has_training_arg else {}
             y_pred = model(x, **kwargs)

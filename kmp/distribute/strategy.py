@@ -1,4 +1,4 @@
-"""kmp.distribute: choosing a tf.distribute strategy, and kmp's distributed API.
+"""Choosing a tf.distribute strategy.
 
 `resolve_strategy("auto")` picks what the machine and the cluster call for:
 
@@ -10,11 +10,6 @@
 Every detection input (`tf_config=`, `tpu=`, `gpus=`) can be given, so each
 branch is tested without the hardware. A config names the strategy under
 `"kmp": {"strategy": ...}` (`strategy_from_config`).
-
-The rest of the namespace lives in its own modules, re-exported here:
-`prepare(model)` (kmp.trainer: fit() under strategies, XLA per replica) and
-`tpu_settings(strategy, model)` (kmp.tpu: bfloat16, steps_per_execution, the
-sizes a TPU pads; never run on a TPU, seams unit-tested).
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ import tensorflow as tf
 from kmp.config import STRATEGIES, Config, StrategyName
 from kmp.deepspeed import load_config
 from kmp.errors import Problem, check, did_you_mean
-from kmp.tpu import TPU_STEPS_PER_EXECUTION, TPU_TILE, TpuSettings, is_tpu_strategy, padded_sizes, tpu_settings
-from kmp.trainer import is_prepared, local_batch, prepare
+from kmp.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +177,7 @@ def _tf_config_problems(raw: Mapping[str, Any], path: str) -> list[Problem]:
     if kind not in cluster:
         names = ", ".join(map(repr, cluster)) or "none"
         out.append(Problem(f"{path}.task.type", f"a job of the cluster ({names})", kind))
-    elif not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[kind] or []):
+    elif not is_int(index) or not 0 <= index < len(cluster[kind] or []):
         count = len(cluster[kind]) if isinstance(cluster[kind], list) else 0
         out.append(Problem(f"{path}.task.index", f"an integer from 0 to {count - 1} "
                            f"(cluster.{kind} has {count} addresses)", index))
@@ -251,18 +245,3 @@ _BUILDERS: dict[str, Callable[..., tf.distribute.Strategy]] = {
     "multi_worker_mirrored": _build_multi_worker,
     "tpu": _build_tpu,
 }
-
-__all__ = [
-    "STRATEGIES",
-    "TPU_STEPS_PER_EXECUTION",
-    "TPU_TILE",
-    "TpuSettings",
-    "is_prepared",
-    "is_tpu_strategy",
-    "local_batch",
-    "padded_sizes",
-    "prepare",
-    "resolve_strategy",
-    "strategy_from_config",
-    "tpu_settings",
-]

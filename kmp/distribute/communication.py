@@ -1,4 +1,5 @@
-"""The gradient all-reduce: flat buckets, one collective each, in a chosen dtype.
+"""The gradient all-reduce: flat buckets, one collective each, in a chosen dtype;
+and the mean that the update applies (reduce_mean).
 
     all_reduce_sum(grads, communication, loss_scale):
         for each bucket of float32 gradients (at most bytes_per_pack bytes;
@@ -104,3 +105,22 @@ def _buckets(grads: list, itemsize: int, bytes_per_pack: int) -> list[list[int]]
         size += nbytes
     groups.append(current)
     return groups
+
+
+def reduce_mean(grads: list, communication: Communication, loss_scale, count=None, weight=None) -> list:
+    """The gradient to apply: summed across replicas once, then averaged.
+
+    `count` micro-batches were summed per replica (accumulation), or, with
+    `weight` (e.g. a token count), the result is sum(grads) / sum(weights) over
+    every micro-batch of every replica.
+    """
+    if weight is None:
+        grads = all_reduce_sum(grads, communication, loss_scale)
+        return grads if count is None else [None if g is None else g / count for g in grads]
+    if communication.dtype == "float16":
+        # A token count times the loss scale would overflow float16.
+        grads = all_reduce_sum(grads, communication, loss_scale)
+        (total,) = all_reduce_sum([weight])
+    else:
+        *grads, total = all_reduce_sum(list(grads) + [weight], communication, loss_scale)
+    return [None if g is None else g / total for g in grads]

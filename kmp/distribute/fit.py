@@ -7,8 +7,8 @@ to a Tensor", before the first step), and every step's logs are reduced with
 `axis=0`, which fails for scalars. And under any strategy with several
 replicas it turns XLA off (or fails when asked for it). `prepare` replaces
 two methods of the given instance only, delegating to Keras's, and, with
-several replicas, swaps Keras's train step for kmp.replica_step's (XLA per
-replica).
+several replicas, swaps Keras's train step for kmp.distribute.replica_step's
+(XLA per replica).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import types
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as _keras_trainer
-
-from kmp import replica_step
+from kmp import seams
+from kmp.distribute import replica_step
 from kmp.errors import Problem, check
 
 
@@ -34,7 +33,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
 
     `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
     "auto" or True compiles each replica's forward/backward pass with XLA
-    (kmp.replica_step; "auto" unless a layer does not support XLA), and the
+    (kmp.distribute.replica_step; "auto" unless a layer does not support XLA), and the
     all-reduce stays outside; False keeps Keras's step without XLA. Keras's
     own `compile(jit_compile=True)`, which fails under a strategy, is turned
     into the same. On one replica, True turns Keras's whole-step XLA on and
@@ -107,7 +106,7 @@ def _make_function_prepared(self, step_function):
     several = self.distribute_strategy.num_replicas_in_sync > 1
     # Only Keras's own train_step is swapped: a model's custom one is kept.
     if (
-        getattr(step_function, "__func__", None) is _keras_trainer.TensorFlowTrainer.train_step
+        getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
         and replica_step.wants_replica_xla(self, setting)
     ):
         step_function = functools.partial(replica_step.train_step, self)
@@ -115,7 +114,7 @@ def _make_function_prepared(self, step_function):
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
     # replica, that same reduce is the mean over replicas, shape unchanged.
-    if _keras_trainer._collective_all_reduce_multi_worker(self.distribute_strategy):
+    if seams.get("collective_all_reduce_multi_worker")(self.distribute_strategy):
         step_function = _with_replica_axis(step_function)
     # Keras's jit_compile puts the whole distributed step in one XLA
     # computation, which fails with several replicas.
@@ -148,7 +147,7 @@ def _multi_step_function(self, step_function, keras_function):
     @tf.autograph.experimental.do_not_convert
     def one_step(data):
         outputs = strategy.run(step_function, args=(data,))
-        return _keras_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+        return seams.get("reduce_per_replica")(outputs, strategy, reduction="auto")
 
     one_step = self._autoconvert_optionals(tf.function(one_step, reduce_retracing=True))
 

@@ -1,0 +1,66 @@
+"""What kmp does to a list of gradients between the backward pass and the update.
+
+    unscale(g, scale)        g / scale, in float32 (the master precision)
+    all_finite(grads)        no inf or nan anywhere (sparse values included)
+    clip_by_global_norm(grads, clip)
+                             Keras's global-norm clip, op for op; a non-finite
+                             norm makes every gradient nan, so the finite check
+                             that follows sees it and the step is skipped
+
+Plain TensorFlow on tensors: no variables, no distribution.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import ops
+
+
+def typed_where(cond, a, b):
+    """`tf.where` that gives Python numbers the dtype of the tensor beside them."""
+    ref = next((x for x in (a, b) if tf.is_tensor(x)), None)
+    if ref is not None:
+        a, b = (tf.cast(x, ref.dtype) for x in (a, b))
+    return tf.where(cond, a, b)
+
+
+def unscale(grad, scale):
+    """`grad / scale`, computed in float32; None stays None."""
+    if grad is None:
+        return None
+    scale = tf.cast(scale, tf.float32)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, tf.float32) / scale, grad.indices, grad.dense_shape)
+    return tf.cast(grad, tf.float32) / scale
+
+
+def all_finite(grads) -> tf.Tensor:
+    """True iff no gradient holds an inf or a nan (sparse ones included)."""
+    flags = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in grads
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def global_norm(grads):
+    """sqrt(sum of squares) over every gradient (Keras's `global_norm`)."""
+    squared = [ops.sum(ops.square(g)) for g in grads if g is not None]
+    return ops.sqrt(ops.sum(ops.stack(squared)))
+
+
+def global_clip_scale(grads, clip_norm):
+    """The factor Keras's `clip_by_global_norm` multiplies every gradient by.
+
+    min(1, clip_norm / norm), and nan when the norm is not finite: a clip of an
+    overflowing gradient must not look finite.
+    """
+    norm = global_norm(grads)
+    scale_for_finite = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
+    return scale_for_finite + (norm - norm)
+
+
+def clip_by_global_norm(grads, clip_norm):
+    scale = global_clip_scale(grads, clip_norm)
+    return [g * scale if g is not None else g for g in grads]

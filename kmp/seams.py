@@ -1,0 +1,124 @@
+"""Every private Keras and TensorFlow internal kmp uses, in one place.
+
+kmp fixes Keras 3.15's mixed precision from the outside (subclasses and
+per-instance method swaps), and some of that needs private parts of Keras and
+TensorFlow. They are listed here and nowhere else:
+
+- `MODULE_SEAMS`: private functions and classes, imported by `get(name)` when
+  first used, never at `import kmp`. If an upgrade moves one, only the feature
+  that uses it fails (with `KmpError` naming the seam and the pinned versions),
+  not the whole package.
+- `ATTRIBUTE_SEAMS`: private attributes kmp reads or writes on Keras and
+  TensorFlow objects, by the kind of object that has them. They cannot be
+  imported; this table documents them.
+
+tests/test_keras_seams.py checks every entry of both tables against the
+installed versions, so an upgrade fails there first, naming the seam.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kmp.errors import KmpError
+
+# name -> (module, attribute, who needs it)
+MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
+    "TensorFlowTrainer": (
+        "keras.src.backend.tensorflow.trainer", "TensorFlowTrainer",
+        "kmp.prepare: to recognise Keras's own train_step and build its functions",
+    ),
+    "reduce_per_replica": (
+        "keras.src.backend.tensorflow.trainer", "reduce_per_replica",
+        "kmp.prepare: the multi-step loop reduces each step's logs as Keras does",
+    ),
+    "collective_all_reduce_multi_worker": (
+        "keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
+        "kmp.prepare: Keras's own test for MultiWorkerMirroredStrategy",
+    ),
+    "model_supports_jit": (
+        "keras.src.trainers.trainer", "model_supports_jit",
+        "kmp.prepare: jit_compile='auto' follows Keras's rule",
+    ),
+    "unscale_loss_for_distribution": (
+        "keras.src.losses.loss", "unscale_loss_for_distribution",
+        "kmp.prepare: the per-replica step tracks the loss as Keras's train_step does",
+    ),
+    "DotNotTrackScope": (
+        "keras.src.utils.tracking", "DotNotTrackScope",
+        "kmp.LossScaleOptimizer.build: state variables are tracked once, as Keras's build does",
+    ),
+    "in_xla_context": (
+        "tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext",
+        "kmp.LossScaleOptimizer: no tf.print or assert inside XLA",
+    ),
+    "TFOptimizer": (
+        "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
+        "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
+    ),
+}
+
+# kind of object -> private attributes kmp uses on it (documentation; tested).
+ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
+    "keras.Model (TensorFlow trainer)": (
+        "_maybe_symbolic_build",   # kmp.prepare shadows it on the instance
+        "_make_function",          # kmp.prepare shadows it on the instance
+        "_jit_compile",            # read, and set while Keras builds a function
+        "_distribute_strategy",
+        "_compute_loss",
+        "_loss_tracker",
+        "_call_has_training_arg",
+        "_autoconvert_optionals",
+    ),
+    "keras.optimizers.Optimizer": (
+        "_learning_rate",          # kmp.fused: variable, schedule or callable
+        "_iterations",
+        "_trainable_variables",
+        "_trainable_variables_indices",
+        "_var_key",
+        "_get_variable_index",
+        "_use_weight_decay",
+        "_filter_empty_gradients",
+        "_overwrite_variable_with_gradient",
+        "_momentums",              # Adam, AdamW
+        "_velocities",             # Adam, AdamW
+    ),
+    "keras TFOptimizer": (
+        "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored
+    ),
+    "tf.experimental.Optional": (
+        "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace
+    ),
+    "tf.distribute DistributedVariable": (
+        "_get_on_device_or_primary",  # kmp.fused: this replica's own component
+    ),
+    "tf.__internal__.distribute": (
+        "strategy_supports_no_merge_call",  # kmp.LossScaleOptimizer
+        "interim",                          # .maybe_merge_call: Keras's own route to merge_call or not
+    ),
+}
+
+_resolved: dict[str, Any] = {}
+
+
+def get(name: str) -> Any:
+    """The private object `name` of MODULE_SEAMS, imported on first use."""
+    if name in _resolved:
+        return _resolved[name]
+    module_name, attribute, needed_by = MODULE_SEAMS[name]
+    try:
+        value = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as e:
+        raise KmpError(
+            f"{needed_by}: expected Keras/TensorFlow to have {module_name}.{attribute}. "
+            f"Received: this installation does not ({e}). kmp is tested with keras 3.15 and "
+            "tensorflow 2.21: pip install 'keras>=3.15,<3.16' 'tensorflow>=2.21,<2.22'."
+        ) from None
+    _resolved[name] = value
+    return value
+
+
+def resolved() -> tuple[str, ...]:
+    """The seams imported so far (tests check that `import kmp` imports none)."""
+    return tuple(_resolved)
