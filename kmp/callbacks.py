@@ -63,11 +63,11 @@ raises first and the check never fires.
 from __future__ import annotations
 
 import warnings
+
 import keras
-import numpy as np
 import tensorflow as tf
 
-from kmp import loss_scale, values
+from kmp import loss_scale, overflow, values
 from kmp.errors import LossScaleError, Problem, check
 from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
 
@@ -215,8 +215,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 return probe.add_state(original(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of the data, not a failure
-            except BaseException:
+            except BaseException as e:
                 self._uninstall()
+                error = overflow.loss_scale_error(e)  # the in-graph floor assert, outside XLA
+                if error is not None:
+                    raise error from None
                 raise
 
         self._installed = (self.model, original, train_function_with_loss_scale)
@@ -273,8 +276,9 @@ class GradientAccumulationScheduler(keras.callbacks.Callback):
             problems.append(Problem("schedule", "a non-empty dict {epoch: micro-batches per step}", schedule))
         else:
             for epoch, steps in schedule.items():
-                if not values.is_int(epoch) or epoch < 0:
-                    problems.append(Problem(f"schedule[{epoch!r}]", "an epoch number >= 0 as key", epoch))
+                if not values.is_int(epoch) or not 0 <= epoch <= values.INT64_MAX:
+                    top = f" and <= {values.INT64_MAX} (int64's largest)" if values.is_int(epoch) and epoch > 0 else ""
+                    problems.append(Problem(f"schedule[{epoch!r}]", f"an epoch number >= 0{top} as key", epoch))
                 values.int_in(f"schedule[{epoch!r}]", steps, 1, problems)
         if batch_size is not None:
             values.int_in("batch_size", batch_size, 1, problems, fix="None or the fit() batch size.")

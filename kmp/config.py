@@ -16,11 +16,12 @@ again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from kmp import values
-from kmp.errors import Problem, check
+from kmp.errors import ConfigError, Problem, check, did_you_mean
 
 GrowthRule = Literal["every_window", "after_window"]
 PrecisionName = Literal["fp32", "fp16", "bf16"]
@@ -39,6 +40,26 @@ def _validate(instance, problems: list[Problem], source: str) -> None:
     check(problems, source)
 
 
+def _named_fields(source: str):
+    """Makes an unknown keyword (a misspelled field) a ConfigError with a did-you-mean, not a TypeError."""
+
+    def decorate(cls):
+        init = cls.__init__
+        names = [f.name for f in dataclasses.fields(cls)]
+
+        @functools.wraps(init)
+        def __init__(self, /, *args, **kwargs):
+            check([Problem(values.key_name(k), f"a field of {cls.__name__} ({', '.join(names)})", v,
+                           did_you_mean(k, names)) for k, v in kwargs.items() if k not in names], source)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
+
+
+@_named_fields("loss-scale settings")
 @dataclass(frozen=True)
 class LossScaleConfig:
     """Settings of dynamic (or static) loss scaling (docs/loss-scaling.md).
@@ -99,6 +120,7 @@ COMMUNICATION_DTYPES = ("float32", "float16", "bfloat16")
 PREDIVIDE_RANGE = (2.0**-20, 2.0**20)
 
 
+@_named_fields("kmp communication settings")
 @dataclass(frozen=True)
 class Communication:
     """How gradients cross replicas (kmp.distribute.communication): float32, one bucket, no extra factor by default."""
@@ -118,6 +140,29 @@ class Communication:
         _validate(self, out, "kmp communication settings")
 
 
+def communication_of(value) -> tuple[Communication, list[Problem]]:
+    """`value` (None, a Communication or a dict of its fields) as a Communication, and its problems."""
+    if value is None:
+        return Communication(), []
+    if isinstance(value, Communication):
+        return value, []
+    if isinstance(value, dict):
+        fields = sorted(f.name for f in dataclasses.fields(Communication))
+        unknown = [
+            Problem(f"communication.{values.key_name(k)}", f"a field of Communication ({', '.join(fields)})", v,
+                    did_you_mean(k, fields) if isinstance(k, str) else "")
+            for k, v in value.items() if k not in fields
+        ]
+        if unknown:
+            return Communication(), unknown
+        try:
+            return Communication(**value), []
+        except ConfigError as e:
+            return Communication(), [dataclasses.replace(p, path=f"communication.{p.path}") for p in e.problems]
+    return Communication(), [Problem("communication", "None, a dict or a kmp.Communication", value)]
+
+
+@_named_fields("kmp config")
 @dataclass(frozen=True)
 class Config:
     """A whole kmp training setup, as read from a DeepSpeed-style config.

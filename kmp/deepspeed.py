@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig
 from kmp.errors import ConfigError, Problem, check, did_you_mean
-from kmp.values import is_int, is_number
+from kmp.values import INT64_MAX, int_in, is_int, is_number, key_name, plain
 
 # The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
 # growth rule and max scale of its current DynamicLossScaler).
@@ -192,10 +192,27 @@ def _read(source: Any) -> tuple[Any, str]:
         problem = Problem("path", "an existing JSON file", path,
                           f"No such file; a relative path starts at {os.getcwd()}.")
         raise ConfigError([problem], name) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: a NUL character in the path
         problem = Problem("path", "a readable UTF-8 JSON file", path, f"Reading it failed: {e}.")
         raise ConfigError([problem], name) from None
     return _parse(text, name), name
+
+
+class _LongInteger:
+    """An integer in JSON text with more digits than Python converts: no number, so its key reports it."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"{self.digits[:12]}... ({len(self.digits.lstrip('-'))} digits)"
+
+
+def _integer(digits: str) -> int | _LongInteger:
+    try:
+        return int(digits)
+    except ValueError:  # past sys.get_int_max_str_digits()
+        return _LongInteger(digits)
 
 
 def _parse(text: str, name: str) -> Any:
@@ -211,7 +228,7 @@ def _parse(text: str, name: str) -> Any:
         return seen
 
     try:
-        data = json.loads(text, object_pairs_hook=no_duplicates)
+        data = json.loads(text, object_pairs_hook=no_duplicates, parse_int=_integer)
     except json.JSONDecodeError as e:
         lines = text.splitlines()
         line = lines[e.lineno - 1].strip() if e.lineno <= len(lines) else ""
@@ -219,7 +236,10 @@ def _parse(text: str, name: str) -> Any:
         problem = Problem(where, "valid JSON", line,
                           f"{e.msg} at {where}. JSON allows no comments, trailing commas or single quotes.")
         raise ConfigError([problem], name) from None
-    check([Problem(k, "each key once per object", "given more than once") for k in duplicates], name)
+    except RecursionError:
+        raise ConfigError([Problem("(top level)", "JSON nested no deeper than Python reads", f"{text[:12]}...",
+                                   "A DeepSpeed config nests two levels deep.")], name) from None
+    check([Problem(key_name(k), "each key once per object", "given more than once") for k in duplicates], name)
     return data
 
 
@@ -253,7 +273,7 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
         known = [k.key.rpartition(".")[2] for k in DEEPSPEED_KEYS if k.key.rpartition(".")[0] == level]
         known += _IGNORED.get(level, []) + ([] if level else ["bfloat16", *_BLOCKS])
         for key, value in values.items():
-            path = f"{spelled[level]}.{key}" if level else key
+            path = f"{spelled[level]}.{key_name(key)}" if level else key_name(key)
             if key in _IGNORED.get(level, []):
                 ignored.append(path)
             elif key not in known:
@@ -274,7 +294,7 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
         expected, accepts = row.kind
         if not accepts(value):
             fix = ("'auto' is filled in by Hugging Face's Trainer, not by DeepSpeed or kmp; give the value."
-                   if value == "auto" else "")
+                   if isinstance(value, str) and value == "auto" else "")
             problems.append(Problem(path, expected, value, fix))
             continue
         loaded = row.load(value)
@@ -375,19 +395,19 @@ def resolve_batch_sizes(config: Config, world_size: int) -> tuple[int, int, int]
     """
     train, micro, gas = config.train_batch_size, config.micro_batch_size, config.gradient_accumulation_steps
     problems = []
-    if not is_int(world_size) or world_size < 1:
-        problems.append(Problem("world_size", "an integer >= 1 (the number of data-parallel replicas)", world_size))
+    int_in("world_size", world_size, 1, problems, fix="The number of data-parallel replicas.")
     for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                        ("gradient_accumulation_steps", gas)):
-        if value is not None and (not is_int(value) or value < 1):
-            problems.append(Problem(key, "an integer >= 1, or none to infer it", value))
+        if value is not None:
+            int_in(key, value, 1, problems, fix="None infers it.")
     if train is None and micro is None:
         problems.append(Problem(
             "train_batch_size", "train_batch_size or train_micro_batch_size_per_gpu to be given", None,
             "DeepSpeed: 'Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided'."))
     check(problems, "batch sizes")
 
-    world, inferred = world_size, ""
+    # numpy integers as Python ints: their products would wrap around at 2**63.
+    train, micro, gas, world, inferred = plain(train), plain(micro), plain(gas), plain(world_size), ""
     if train is not None and micro is not None and gas is None:
         gas = train // micro // world
         inferred = f"gradient_accumulation_steps was inferred as {train} // {micro} // {world} = {gas}. "
@@ -398,9 +418,15 @@ def resolve_batch_sizes(config: Config, world_size: int) -> tuple[int, int, int]
     elif train is None:
         gas = 1 if gas is None else gas
         train = micro * gas * world
+        if train > INT64_MAX:
+            check([Problem(
+                "train_batch_size", f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size = "
+                f"{micro} * {gas} * {world} <= {INT64_MAX} (int64's largest)", None,
+                "It is inferred from these; give smaller ones.",
+            )], "batch sizes")
     if train != micro * gas * world:
         choices = []
-        if micro >= 1 and gas >= 1:
+        if micro >= 1 and gas >= 1 and micro * gas * world <= INT64_MAX:
             choices.append(f"train_batch_size={micro * gas * world}")
         if micro >= 1 and train % (micro * world) == 0:
             choices.append(f"gradient_accumulation_steps={train // (micro * world)}")

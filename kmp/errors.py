@@ -26,8 +26,17 @@ class Problem:
     fix: str = ""
 
     def __str__(self) -> str:
-        text = f"{self.path}: expected {self.expected}. Received: {self.path}={self.received!r}."
+        text = f"{self.path}: expected {self.expected}. Received: {self.path}={_shown(self.received)}."
         return f"{text} {self.fix}" if self.fix else text
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """repr(value), shortened: a 5,000-digit int or a huge list must not drown the message."""
+    try:
+        text = repr(value)
+    except ValueError:  # int too long for repr (Python's 4,300-digit limit)
+        return f"<an integer of about {value.bit_length() * 30103 // 100000} digits>"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ConfigError(KmpError, ValueError):

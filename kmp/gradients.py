@@ -1,11 +1,13 @@
 """What kmp does to a list of gradients between the backward pass and the update.
 
     unscale(g, scale)        g / scale, in float32 (the master precision)
-    all_finite(grads)        no inf or nan anywhere (sparse values included)
+    all_finite(grads)        no inf or nan anywhere (sparse values included);
+                             finite_flags(grads) says which gradient holds one
     clip_by_global_norm(grads, clip)
-                             Keras's global-norm clip, op for op; a non-finite
-                             norm makes every gradient nan, so the finite check
-                             that follows sees it and the step is skipped
+                             Keras's global-norm clip, op for op, except that
+                             finite gradients too large to square still get a
+                             finite norm; a gradient holding inf or nan makes
+                             every gradient nan, so the finite check sees it
 
 Plain TensorFlow on tensors: no variables, no distribution.
 """
@@ -34,20 +36,38 @@ def unscale(grad, scale):
     return tf.cast(grad, tf.float32) / scale
 
 
+def finite_flags(grads) -> list:
+    """One scalar per gradient: True iff it holds no inf or nan (None and sparse ones included)."""
+    return [
+        tf.constant(True) if g is None
+        else tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in grads
+    ]
+
+
 def all_finite(grads) -> tf.Tensor:
     """True iff no gradient holds an inf or a nan (sparse ones included)."""
-    flags = [
-        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-        for g in grads
-        if g is not None
-    ]
+    flags = finite_flags(grads)
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
 def global_norm(grads):
-    """sqrt(sum of squares) over every gradient (Keras's `global_norm`)."""
-    squared = [ops.sum(ops.square(g)) for g in grads if g is not None]
-    return ops.sqrt(ops.sum(ops.stack(squared)))
+    """sqrt(sum of squares) over every gradient: Keras's `global_norm`, and finite
+    for finite gradients.
+
+    Squares of finite float32 values above ~1.8e19 overflow, and Keras's norm
+    is then inf (its clip turns every gradient into nan). Only in that case the
+    norm is computed again scaled by the largest |g|, which stays finite; a
+    gradient that holds inf or nan still gives a non-finite norm.
+    """
+    grads = [g for g in grads if g is not None]
+    norm = ops.sqrt(ops.sum(ops.stack([ops.sum(ops.square(g)) for g in grads])))
+
+    def rescaled():
+        largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(g)) for g in grads]))
+        return largest * tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g / largest)) for g in grads]))
+
+    return tf.cond(tf.math.is_inf(norm), rescaled, lambda: norm)
 
 
 def global_clip_scale(grads, clip_norm):

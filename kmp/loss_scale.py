@@ -31,9 +31,9 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import math
-import struct
 
 from kmp.config import LossScaleConfig
+from kmp.values import float32
 
 
 class LossScaleState(NamedTuple):
@@ -134,14 +134,6 @@ def floor_message(scale: float, config: LossScaleConfig) -> str:
 # the state before and after an execution of several steps instead.
 
 
-def _f32(x: float) -> float:
-    """`x` rounded to float32, as the optimizer's variables hold it."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:  # beyond float32's range: inf there
-        return math.copysign(math.inf, x)
-
-
 class WindowState(NamedTuple):
     """The optimizer state the floor check compares, as Python numbers."""
 
@@ -159,14 +151,21 @@ def steps_clear_of_floor(config: LossScaleConfig, scale: float, hysteresis_left:
     it. Each overflow uses up one hysteresis (when more than one is left) or
     backs the scale off once, and clean steps only raise both, so at least this
     many overflows come first. float32 arithmetic, as in the optimizer.
+
+    Counting stops at `_MAX_BACKOFFS`: a smaller margin is still true (it only
+    makes the monitor read the state sooner), and a backoff factor near 1
+    would otherwise take a hundred million iterations here.
     """
-    floor = _f32(config.min_scale)
-    scale = _f32(scale)
+    floor = float32(config.min_scale)
+    scale = float32(scale)
     backoffs = 0
-    while math.isfinite(scale) and scale > floor:
-        scale = max(_f32(scale * _f32(config.backoff_factor)), floor)
+    while math.isfinite(scale) and scale > floor and backoffs < _MAX_BACKOFFS:
+        scale = max(float32(scale * float32(config.backoff_factor)), floor)
         backoffs += 1
     return max(int(hysteresis_left) - 1, 0) + backoffs
+
+
+_MAX_BACKOFFS = 10_000
 
 
 def stuck_in_window(config: LossScaleConfig, before: WindowState, after: WindowState) -> bool:
@@ -180,7 +179,7 @@ def stuck_in_window(config: LossScaleConfig, before: WindowState, after: WindowS
         return False
     overflows = after.overflows - before.overflows
     clean = after.iterations - before.iterations
-    at_floor = _f32(before.scale) <= _f32(config.min_scale) and before.hysteresis_left <= 1
+    at_floor = float32(before.scale) <= float32(config.min_scale) and before.hysteresis_left <= 1
     if overflows <= 0 or not at_floor:
         return False
     if after.good_steps == clean:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 
 import keras
 import tensorflow as tf
@@ -42,11 +43,11 @@ from keras import ops
 
 from kmp import loss_scale, overflow, seams, values
 from kmp.accumulate import Accumulation
-from kmp.config import Communication, LossScaleConfig
+from kmp.config import LossScaleConfig, communication_of
 from kmp.distribute.communication import reduce_mean
-from kmp.errors import ConfigError, Problem, check
+from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.fused import fused_apply, fused_step
-from kmp.gradients import all_finite, global_clip_scale, typed_where, unscale
+from kmp.gradients import finite_flags, global_clip_scale, typed_where, unscale
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps")
@@ -114,9 +115,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise_at_min_scale=raise_at_min_scale, growth_rule=growth_rule, static_scale=static_scale,
             growth_factor=growth_factor, backoff_factor=backoff_factor,
         )
-        problems = _inner_problems(inner_optimizer, gradient_clipping)
+        problems = _inner_problems(inner_optimizer, gradient_clipping) + _unknown_arguments(kwargs)
         config, more = _loss_scale_config(loss_scale, given)
-        communication, even_more = _communication(communication)
+        communication, even_more = communication_of(communication)
         problems += more + even_more
         values.boolean("fused", fused, problems)
         values.boolean("log_overflows", log_overflows, problems)
@@ -207,11 +208,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _effective_step(self, grads, trainable_variables, count, weight):
         """All-reduce once, clip, check, apply if finite, move the scale (replica context)."""
-        grads = reduce_mean(grads, self.communication, self.dynamic_scale.value, count, weight)
-        finite = all_finite(grads)
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        # The values float8 layers overwrite (amax history, scales) arrive as
+        # their "gradients" and stay each replica's own, as in Keras: they are
+        # not summed, averaged or clipped.
+        own = [self._overwrite_variable_with_gradient(v) for v in variables]
+        shared = reduce_mean([None if o else g for g, o in zip(grads, own)], self.communication,
+                             self.dynamic_scale.value, count, weight)
+        grads = [g if o else r for g, r, o in zip(grads, shared, own)]
+        flags = finite_flags(grads)  # which variables overflowed, for the log line
+        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         clip = None
         if self.gradient_clipping is not None:
-            clip = global_clip_scale(grads, self.gradient_clipping)
+            clip = global_clip_scale([g for g, o in zip(grads, own) if not o], self.gradient_clipping)
             finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
         step, _ = fused_step(self.inner_optimizer, grads, trainable_variables) if self.fused else (None, None)
         if step is not None:
@@ -219,21 +228,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # each replica writes its own copy) need no cross-replica context,
             # and every replica takes the same branch from the same gradients.
             ops.cond(finite, lambda: step(grads, clip), lambda: None)
-            self._adjust(finite)
+            self._adjust(finite, flags, variables)
         else:
             if clip is not None:
-                grads = [None if g is None else g * clip for g in grads]
-            _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite)
+                grads = [g if o or g is None else g * clip for g, o in zip(grads, own)]
+            _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite, flags)
 
-    def _apply_if_finite(self, strategy, grads, trainable_variables, finite):
+    def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
         # Every replica computed `finite` from the same reduced gradients. A
         # cond whose branch calls merge_call (as Keras's update does) must be
         # built in cross-replica context under MirroredStrategy.
         finite = strategy.experimental_local_results(finite)[0]
+        flags = [strategy.experimental_local_results(f)[0] for f in flags]
         ops.cond(
             finite, lambda: _each_replica(strategy, self._apply_inner, grads, trainable_variables), lambda: None
         )
-        self._adjust(finite)
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        self._adjust(finite, flags, variables)
 
     def _apply_inner(self, grads, trainable_variables):
         """The inner optimizer's update of already all-reduced, unscaled gradients."""
@@ -243,14 +254,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             else:
                 self.inner_optimizer.apply(grads, trainable_variables)
 
-    def _adjust(self, finite):
-        """Moves the loss-scale state one step (see kmp.loss_scale.adjust)."""
+    def _adjust(self, finite, flags=(), variables=()):
+        """Moves the loss-scale state one step (see kmp.loss_scale.adjust).
+
+        `flags` (one per variable of `variables`) say whose gradient was not
+        finite: the overflow line names them.
+        """
         config = self.loss_scale_config
         old = loss_scale.LossScaleState(self.dynamic_scale.value, self.hysteresis_left.value, self.good_steps.value)
         new, stuck = loss_scale.adjust(config, old, finite, where=typed_where)
         overflow.raise_if_stuck(config, stuck, old.scale)
         if self.log_overflows:
-            overflow.log_overflow(config, finite, old, new)
+            overflow.log_overflow(config, finite, old, new, flags, variables)
         grew = finite & loss_scale.grows(config, new.good_steps) if config.dynamic else finite & False
         # Keras's step_counter: clean steps since the last growth or overflow.
         self.step_counter.assign(typed_where(finite & ~grew, self.step_counter.value + 1, 0))
@@ -321,8 +336,10 @@ def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, 
             return LossScaleConfig(), list(e.problems)
     if not isinstance(given_config, LossScaleConfig):
         return LossScaleConfig(), [Problem("loss_scale", "None or a kmp.LossScaleConfig", given_config)]
-    defaults = LossScaleConfig()
-    changed = [k for k, v in arguments.items() if v != getattr(defaults, k)]
+    # Passed, not merely equal to the default: a default argument is the very
+    # object in the signature (and `!=` on an array answers no bool).
+    defaults = inspect.signature(LossScaleOptimizer.__init__).parameters
+    changed = [k for k, v in arguments.items() if v is not defaults[k].default]
     if changed:
         return given_config, [Problem(
             changed[0], "its default when loss_scale= is given", arguments[changed[0]],
@@ -331,21 +348,17 @@ def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, 
     return given_config, []
 
 
-def _communication(value) -> tuple[Communication, list[Problem]]:
-    if value is None:
-        return Communication(), []
-    if isinstance(value, Communication):
-        return value, []
-    if isinstance(value, dict):
-        fields = {f.name for f in dataclasses.fields(Communication)}
-        unknown = [Problem(f"communication.{k}", f"one of {', '.join(sorted(fields))}", k) for k in value if k not in fields]
-        if unknown:
-            return Communication(), unknown
-        try:
-            return Communication(**value), []
-        except ConfigError as e:
-            return Communication(), [dataclasses.replace(p, path=f"communication.{p.path}") for p in e.problems]
-    return Communication(), [Problem("communication", "None, a dict or a kmp.Communication", value)]
+def _unknown_arguments(kwargs: dict) -> list[Problem]:
+    """Names neither kmp nor Keras's optimizers take (Keras's own are left to Keras's checks)."""
+    keras_names = set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters) | {"dynamic"}
+    ours = [n for n in inspect.signature(LossScaleOptimizer.__init__).parameters if n not in ("self", "kwargs")]
+    return [
+        Problem(name, "an argument of kmp.LossScaleOptimizer", value, (
+            f"{did_you_mean(name, ours)} As Keras's LossScaleOptimizer says, it does not support arguments: `{name}`."
+        ).strip())
+        for name, value in kwargs.items()
+        if name not in keras_names
+    ]
 
 
 def _inner_problems(inner, gradient_clipping) -> list[Problem]:

@@ -12,6 +12,7 @@ compile; there `kmp.callbacks.LossScaleMonitor` raises after the step.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import tensorflow as tf
@@ -36,14 +37,59 @@ def raise_if_stuck(config: LossScaleConfig, stuck, scale) -> None:
         tf.debugging.Assert(tf.logical_not(stuck), [loss_scale.floor_message(config.min_scale, config)])
 
 
-def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState, new: loss_scale.LossScaleState):
-    """One line on stderr when the step overflowed (not inside XLA: tf.print does not compile)."""
+# kmp.loss_scale.floor_message, as TensorFlow's assert carries it.
+_FLOOR = re.compile(r"kmp: gradients overflowed with the loss scale already at its minimum.*?the inputs\)\.", re.S)
+
+
+def loss_scale_error(error: BaseException) -> LossScaleError | None:
+    """The LossScaleError an in-graph floor assert stands for, or None.
+
+    Outside XLA a training step stuck at the floor stops with TensorFlow's
+    InvalidArgumentError (about 2,000 characters, kmp's text near the end).
+    `kmp.prepare` and `kmp.callbacks.LossScaleMonitor` re-raise it as the
+    error users catch, with the remedies first.
+    """
+    if not isinstance(error, tf.errors.InvalidArgumentError):
+        return None
+    found = _FLOOR.search(str(error))
+    return LossScaleError(found.group(0)) if found else None
+
+
+def _text(piece):
+    if isinstance(piece, str) or piece.dtype == tf.string:
+        return piece
+    return tf.strings.format("{}", piece)
+
+
+# How many variables an overflow line names, first in the model's order.
+NAMED = 3
+
+
+def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState, new: loss_scale.LossScaleState,
+                 flags=(), variables=()):
+    """One line on stderr when the step overflowed (not inside XLA: tf.print does not compile).
+
+    With `flags` (finite or not, one per variable), the line ends with the
+    first variables whose gradient was not finite, in the model's order.
+    """
     if in_xla():
         return
 
+    def culprits():
+        names = tf.constant([getattr(v, "path", None) or v.name for v in variables] or [""])
+        bad = tf.boolean_mask(names, tf.logical_not(tf.stack(list(flags))))
+        more = tf.size(bad) - NAMED
+        text = tf.strings.reduce_join(bad[:NAMED], separator=", ")
+        text += tf.where(more > 0, tf.strings.format(", and {} more", more), "")
+        return ["| non-finite gradients:", text]
+
     def line(*parts):
         def emit():
-            tf.print("kmp: gradient overflow, step skipped.", *parts, output_stream=sys.stderr)
+            tail = culprits() if len(flags) and len(flags) == len(variables) else []
+            pieces = ["kmp: gradient overflow, step skipped.", *parts, *tail]
+            # One string: tf.print quotes a string tensor printed beside others.
+            text = tf.strings.join([_text(p) for p in pieces], separator=" ")
+            tf.print(text, output_stream=sys.stderr)
         return emit
 
     if not config.dynamic:
@@ -59,4 +105,8 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
                     line("Loss scale stays at its minimum", old.scale),
                 ),
             )
-    tf.cond(finite, lambda: None, report)
+    # One line per step, not one per replica: replica 0 of the job reports
+    # (merge_call paths arrive here once, in cross-replica context).
+    context = tf.distribute.get_replica_context()
+    first = True if context is None else tf.equal(context.replica_id_in_sync_group, 0)
+    tf.cond(tf.logical_and(tf.logical_not(finite), first), report, lambda: None)

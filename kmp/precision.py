@@ -22,6 +22,7 @@ import tensorflow as tf
 from kmp.config import Config
 from kmp.deepspeed import precision_of
 from kmp.errors import ConfigError, Problem, did_you_mean
+from kmp.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,15 @@ class Hardware:
     compute_capability: tuple[int, int] | None = None  # GPUs only; None = unknown
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(HardwareKind):
+        if not isinstance(self.kind, str) or self.kind not in get_args(HardwareKind):
             kinds = ", ".join(map(repr, get_args(HardwareKind)))
             raise _error(self.kind, "Hardware.kind", f"one of {kinds}")
         if self.compute_capability is not None:  # a list [8, 0] would not compare with tuples
-            object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
+            cc = self.compute_capability
+            if not isinstance(cc, (tuple, list)) or len(cc) != 2 or not all(is_int(n) and n >= 0 for n in cc):
+                raise _error(cc, "Hardware.compute_capability", "None or (major, minor), two integers >= 0",
+                             "As TensorFlow reports it, e.g. (8, 0).")
+            object.__setattr__(self, "compute_capability", tuple(int(n) for n in cc))
 
     @classmethod
     def detect(cls) -> "Hardware":
@@ -161,6 +166,8 @@ PrecisionLike = Union[
 
 def resolve_precision(value: PrecisionLike, *, hardware: Hardware | None = None) -> Precision:
     """Map any accepted precision spelling to a `Precision` (see docs/precision.md)."""
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise _error(hardware, "hardware", "None (detect it) or a kmp.Hardware", "E.g. kmp.Hardware('gpu', (8, 0)).")
     if isinstance(value, Precision):
         return value
     if isinstance(value, keras.DTypePolicy):

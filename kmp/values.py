@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from typing import Any
 
 from kmp.errors import Problem, did_you_mean
@@ -28,18 +29,43 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """A finite real number (JSON's NaN and Infinity are not)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (JSON's NaN and Infinity are not, nor an int too large for any float)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # 10**400 (JSON text can hold it), or a Fraction that large
+        return False
 
 
 def plain(value: Any) -> Any:
-    """numpy scalars as the Python number they hold; anything else unchanged."""
+    """numpy scalars, Fractions and other real numbers as the Python int or float they hold; the rest unchanged."""
     # type(), not isinstance: numpy.float64 subclasses float.
     if isinstance(value, numbers.Number) and type(value) not in (int, float, bool, complex):
         item = getattr(value, "item", None)
         if callable(item):
-            return item()
+            value = item()
+        # numpy.longdouble.item() is a longdouble; a Fraction has no item().
+        if type(value) in (int, float):
+            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real) and is_number(value):
+            return float(value)
     return value
+
+
+def float32(value: float) -> float:
+    """`value` rounded to float32, as the variable or tensor that holds it does (inf beyond its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def key_name(key: Any) -> str:
+    """A key as a path segment: as written, or quoted when it would not show (empty, padded) or is no string."""
+    return key if isinstance(key, str) and key and key.strip() == key else repr(key)
 
 
 def int_in(path: str, value: Any, low: int, out: list[Problem], high: int = INT64_MAX, fix: str = "") -> bool:
@@ -66,13 +92,22 @@ def number_in(
     at_most: float = FLOAT32_MAX,
     fix: str = "",
 ) -> bool:
-    """A finite number within the given bounds (float32's range by default)."""
-    ok = is_number(value)
-    if ok:
-        ok = (above is None or value > above) and (at_least is None or value >= at_least)
-        ok = ok and (below is None or value < below) and value <= at_most
-    if ok:
+    """A finite number within the given bounds (float32's range by default), before and after rounding to float32.
+
+    The rounding matters at the open bounds: a growth factor of 1.0000000001
+    is 1.0 in float32, and the scale would never grow.
+    """
+
+    def within(x: float) -> bool:
+        ok = (above is None or x > above) and (at_least is None or x >= at_least)
+        return ok and (below is None or x < below) and x <= at_most
+
+    # Compared as a Python number: a bound converted to numpy.float16 is rounded (2.0**20 becomes inf).
+    ok = is_number(value) and within(plain(value))
+    if ok and within(float32(plain(value))):
         return True
+    if ok:
+        fix = f"{fix} It is {float32(plain(value))!r} in float32, the type it is computed in.".strip()
     bounds = [f"> {above:g}" if above is not None else None, f">= {at_least:g}" if at_least is not None else None,
               f"< {below:g}" if below is not None else None,
               f"<= {at_most:g}" + (" (float32's largest)" if at_most == FLOAT32_MAX else "")]

@@ -29,7 +29,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmp.config import Config, LossScaleConfig
+from kmp import values
+from kmp.config import Config, LossScaleConfig, communication_of
 from kmp.deepspeed import load_config, resolve_batch_sizes
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.optimizer import LossScaleOptimizer
@@ -93,7 +94,7 @@ def _accumulation_steps(settings: Config, replicas: int) -> int | None:
 def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
     known = _SCALE_FIELDS + _TOP_FIELDS + _OPTIMIZER_FIELDS
     problems = [
-        Problem(name, f"one of {', '.join(known)}", value, did_you_mean(name, known))
+        Problem(values.key_name(name), f"one of {', '.join(known)}", value, did_you_mean(name, known))
         for name, value in overrides.items()
         if name not in known
     ]
@@ -101,6 +102,13 @@ def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config
     scale = {k: v for k, v in overrides.items() if k in _SCALE_FIELDS}
     top = {k: v for k, v in overrides.items() if k in _TOP_FIELDS}
     extra = {k: v for k, v in overrides.items() if k in _OPTIMIZER_FIELDS}
+    # Checked here too: a plain optimizer (no loss scaling needed) would not check them.
+    for name in ("fused", "log_overflows"):
+        if name in extra:
+            values.boolean(name, extra[name], problems)
+    if extra.get("communication") is not None:
+        extra["communication"], more = communication_of(extra["communication"])
+        problems += more
     loss_scale = settings.loss_scale
     try:
         loss_scale = dataclasses.replace(loss_scale, **scale)

@@ -343,8 +343,10 @@ def _precision_error_text(capfd):
 
 
 def _overflow_lines(capfd):
-    variable = keras.Variable([1.0, 2.0])
-    inf = [tf.constant([np.inf, 1.0])]
+    layer = keras.layers.Dense(2, use_bias=False, name="dense")
+    layer.build((None, 2))
+    variable = layer.kernel  # its path: dense/kernel
+    inf = [tf.constant([[np.inf, 1.0], [1.0, 1.0]])]
     kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=65536.0).apply(inf, [variable])
     kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=65536.0, hysteresis=2).apply(inf, [variable])
     return capfd.readouterr().err
@@ -354,7 +356,8 @@ def _overflow_lines(capfd):
 TEXT_CHECKS = {
     "Invalid DeepSpeed config (2 problems):": _config_error_text,
     "Invalid precision setting (1 problem):": _precision_error_text,
-    "kmp: gradient overflow, step skipped. Attempted loss scale: 65536 , reducing to 32768": _overflow_lines,
+    "kmp: gradient overflow, step skipped. Attempted loss scale: 65536 , reducing to 32768 "
+    "| non-finite gradients: dense/kernel": _overflow_lines,
 }
 
 # The first line of a block that is not checked -> why.

@@ -155,7 +155,7 @@ def test_a_tpu_strategy_keeps_kerass_step():
     # Nor kmp's multi-step loop: Keras's own runs there (no merge_call on TPUs).
     model.steps_per_execution = 4
     kmp.prepare(model)
-    function = model._make_function(model.train_step)
+    function = model._make_function(model.train_step).__wrapped__  # under kmp's error translation
     assert function.__qualname__ == "TensorFlowTrainer._make_function.<locals>.function"
 
 
@@ -164,7 +164,7 @@ def test_the_multi_step_loop_is_kmps_with_several_replicas(two_replicas):
     with two_replicas.scope():
         model = _model(steps_per_execution=4)
     kmp.prepare(model)
-    function = model._make_function(model.train_step)
+    function = model._make_function(model.train_step).__wrapped__
     assert function.__qualname__ == "_multi_step_function.<locals>.function"
 
 
@@ -203,3 +203,36 @@ def test_one_device_leaves_keras_in_charge():
     kmp.prepare(model, jit_compile=True)
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     assert "_kmp_replica_steps" not in vars(model)
+
+
+def test_recompiling_a_prepared_model_uses_the_new_loss(two_replicas):
+    """Issue 10 #1: the per-replica XLA functions were cached across compile()."""
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        model = _model()
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.0)), loss="mse")
+    kmp.prepare(model)
+    mse = model.fit(X, Y + 10, batch_size=16, verbose=0).history["loss"][0]
+    with two_replicas.scope():
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.0)), loss="mae")
+    mae = model.fit(X, Y + 10, batch_size=16, verbose=0).history["loss"][0]
+    expected = float(np.mean(np.abs(model.predict(X, verbose=0) - (Y + 10))))
+    assert mse > 50 and abs(mae - expected) < 1e-3 * expected
+
+
+def test_freezing_layers_and_recompiling_a_prepared_model_trains_as_unprepared(two_replicas):
+    keras.config.set_dtype_policy("float32")
+    weights = []
+    for prepare in (False, True):
+        with two_replicas.scope():
+            model = _model()
+        if prepare:
+            kmp.prepare(model)
+        model.fit(X, Y, batch_size=16, verbose=0, shuffle=False)
+        model.layers[1].trainable = False
+        with two_replicas.scope():
+            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+        model.fit(X, Y, batch_size=16, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    for plain, prepared in zip(*weights):
+        np.testing.assert_allclose(plain, prepared, rtol=1e-5, atol=1e-6)

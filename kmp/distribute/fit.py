@@ -18,7 +18,8 @@ import types
 
 import keras
 import tensorflow as tf
-from kmp import seams
+
+from kmp import overflow, seams
 from kmp.distribute import replica_step
 from kmp.errors import Problem, check
 
@@ -109,6 +110,10 @@ def _make_function_prepared(self, step_function):
         getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
         and replica_step.wants_replica_xla(self, setting)
     ):
+        # A new train function (after compile(), a new prepare(), frozen
+        # layers) traces new XLA functions: a cached one holds the old loss,
+        # metrics and trainable variables.
+        replica_step.forget(self)
         step_function = functools.partial(replica_step.train_step, self)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
@@ -125,8 +130,28 @@ def _make_function_prepared(self, step_function):
     finally:
         self._jit_compile = saved
     if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
-        return _multi_step_function(self, step_function, function)
-    return function
+        function = _multi_step_function(self, step_function, function)
+    return _raising_loss_scale_errors(function)
+
+
+def _raising_loss_scale_errors(function):
+    """`function`, with a step stuck at the loss-scale floor raised as kmp.LossScaleError.
+
+    TensorFlow reports the optimizer's in-graph assert as an InvalidArgumentError
+    of some 2,000 characters; users catch the type kmp documents.
+    """
+
+    def call(iterator):
+        try:
+            return function(iterator)
+        except tf.errors.InvalidArgumentError as e:
+            error = overflow.loss_scale_error(e)
+            if error is None:
+                raise
+            raise error from None
+
+    call.__wrapped__ = function
+    return call
 
 
 def _multi_step_function(self, step_function, keras_function):

@@ -10,7 +10,8 @@ located in device CPU:1 from device CPU:0"). A prepared model's train step
     values = this replica's copy of every model and metric variable
     grads, y_pred, loss, writes = forward_backward(values, scale, data)  # XLA
     variable.assign(w) for each write   # BatchNorm statistics, dropout seeds:
-                                        # as Keras assigns them in replica context
+                                        # as Keras assigns them in replica context,
+                                        # except non-finite statistics
     optimizer.apply(grads)              # kmp: one all-reduce (not in XLA), then
                                         # kmp.fused's XLA update per replica
     loss tracker and metrics            # as Keras's train_step
@@ -73,13 +74,23 @@ def train_step(model: keras.Model, data):
     scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
     grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
     for index, value in writes.items():
-        others[int(index)].assign(value)
+        variable = others[int(index)]
+        if value.dtype.is_floating:
+            # An inf batch makes BatchNormalization's moving statistics nan; its
+            # step overflows and is skipped, and the statistics keep their value.
+            value = tf.where(tf.reduce_all(tf.math.is_finite(value)), value, variable.value)
+        variable.assign(value)
     model._loss_tracker.update_state(
         seams.get("unscale_loss_for_distribution")(loss),
         sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
     )
     model.optimizer.apply(grads, trainable)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def forget(model: keras.Model) -> None:
+    """Drops the model's per-replica XLA functions; the next trace makes new ones."""
+    model.__dict__.pop("_kmp_replica_steps", None)
 
 
 def _compiled(model):

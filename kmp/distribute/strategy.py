@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any, Callable, Mapping, Union
 
 import tensorflow as tf
@@ -24,7 +25,7 @@ import tensorflow as tf
 from kmp.config import STRATEGIES, Config, StrategyName
 from kmp.deepspeed import load_config
 from kmp.errors import Problem, check, did_you_mean
-from kmp.values import is_int
+from kmp.values import is_int, key_name
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def _read_tf_config(tf_config) -> tuple[dict[str, Any] | None, bool]:
             return None, from_env
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # also: an int past Python's digit limit, nesting past its stack
             check([Problem(path, "JSON such as " + _TF_CONFIG_EXAMPLE, raw, f"It does not parse: {e}.")],
                   "TF_CONFIG")
     if not isinstance(raw, Mapping):
@@ -160,7 +161,7 @@ def _tf_config_problems(raw: Mapping[str, Any], path: str) -> list[Problem]:
         out.append(Problem(f"{path}.cluster", 'an object such as {"worker": ["host:port", ...]}', cluster))
         cluster = {}
     for job, addresses in cluster.items():
-        where = f"{path}.cluster.{job}"
+        where = f"{path}.cluster.{key_name(job)}"
         if job == "ps":
             out.append(Problem(where, "no parameter servers (kmp chooses only all-reduce strategies)",
                                addresses, "Create tf.distribute.ParameterServerStrategy yourself and "
@@ -168,20 +169,32 @@ def _tf_config_problems(raw: Mapping[str, Any], path: str) -> list[Problem]:
         elif job not in _TASK_TYPES:
             out.append(Problem(where, f"a job named one of {', '.join(map(repr, _TASK_TYPES))}", addresses,
                                did_you_mean(str(job), _TASK_TYPES)))
-        if not isinstance(addresses, list) or not all(isinstance(a, str) and ":" in a for a in addresses):
-            out.append(Problem(where, 'a list of "host:port" strings', addresses))
+        if not isinstance(addresses, list) or not all(_is_address(a) for a in addresses):
+            out.append(Problem(where, 'a list of "host:port" strings', addresses,
+                               "A port is a number from 1 to 65535."))
+        elif job in ("chief", "evaluator") and len(addresses) > 1:
+            out.append(Problem(where, f"at most one {job} address (TensorFlow allows one)", addresses))
+    rpc_layer = raw.get("rpc_layer", "grpc")
+    if not isinstance(rpc_layer, str) or not rpc_layer.strip():
+        out.append(Problem(f"{path}.rpc_layer", 'a protocol name such as "grpc"', rpc_layer))
     if not isinstance(task, Mapping):
         out.append(Problem(f"{path}.task", 'an object such as {"type": "worker", "index": 0}', task))
         return out
     kind, index = task.get("type"), task.get("index")
-    if kind not in cluster:
+    if not isinstance(kind, str) or kind not in cluster:  # isinstance first: a list is unhashable
         names = ", ".join(map(repr, cluster)) or "none"
         out.append(Problem(f"{path}.task.type", f"a job of the cluster ({names})", kind))
-    elif not is_int(index) or not 0 <= index < len(cluster[kind] or []):
+    else:
         count = len(cluster[kind]) if isinstance(cluster[kind], list) else 0
-        out.append(Problem(f"{path}.task.index", f"an integer from 0 to {count - 1} "
-                           f"(cluster.{kind} has {count} addresses)", index))
+        if not is_int(index) or not 0 <= index < count:
+            out.append(Problem(f"{path}.task.index", f"an integer from 0 to {count - 1} "
+                               f"(cluster.{kind} has {count} addresses)", index))
     return out
+
+
+def _is_address(value: Any) -> bool:
+    host, colon, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    return bool(colon and host.strip() and re.fullmatch(r"[0-9]{1,5}", port) and 1 <= int(port) <= 65535)
 
 
 def _is_resolver(value) -> bool:
