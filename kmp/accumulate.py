@@ -15,6 +15,11 @@ whatever the variables' dtype, and local to each replica (aggregation
 any micro-batch makes the totals non-finite: the whole window is skipped.
 `steps` is a variable, so `kmp.callbacks.GradientAccumulationScheduler` can
 change it between epochs without retracing.
+
+Saving: Keras saves one value per variable, replica 0's. A window left open
+in a checkpoint holds each replica's own partial sums, so kmp's optimizer
+saves those per replica beside (`save_own_variables`): a resume on the same
+replicas continues the window exactly.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class Accumulation:
             optimizer.add_variable(shape=v.shape, dtype="float32", aggregation="none", name="accumulator")
             for v in var_list
         ]
+
+    def local_state(self) -> list:
+        """The variables whose value differs between replicas: the sums and the weight sum."""
+        return [*self.sums, self.weight_sum]
 
     def closes(self) -> tf.Tensor:
         """Whether the micro-batch being added closes the window."""

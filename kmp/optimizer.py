@@ -38,6 +38,7 @@ import dataclasses
 import inspect
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -274,6 +275,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.good_steps.assign(new.good_steps)
         self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
 
+    def save_own_variables(self, store):
+        """Keras's format (one value per variable), plus each local replica's own
+        accumulation sums under `per_replica_<index>`: Keras would save replica
+        0's partial sums for every replica (.keras, .weights.h5, ModelCheckpoint,
+        BackupAndRestore)."""
+        super().save_own_variables(store)
+        for index, rows in self._per_replica_rows():
+            store[f"per_replica_{index}"] = rows
+
+    def load_own_variables(self, store):
+        keys = [k for k in store.keys() if k.startswith("per_replica_")]
+        super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
+        for key in keys:
+            _assign_per_replica(self.variables[int(key.removeprefix("per_replica_"))], np.asarray(store[key]))
+
+    def _per_replica_rows(self):
+        if self.accumulation is None or not self.built:
+            return []
+        local = {id(v) for v in self.accumulation.local_state()}
+        rows = []
+        for index, variable in enumerate(self.variables):
+            value = variable.value
+            if id(variable) in local and isinstance(value, tf.distribute.DistributedValues):
+                rows.append((index, np.stack([component.numpy() for component in value.values])))
+        return rows
+
     def get_config(self):
         config = super().get_config()
         config.update(dataclasses.asdict(self.loss_scale_config))
@@ -287,6 +314,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
     return loss_scale.initial_state(config).scale
+
+
+def _assign_per_replica(variable, rows):
+    """Each local replica's saved value back into its own component.
+
+    Saved on another number of replicas, the window's total is kept: replica 0
+    gets the sum of the rows and the others zeros, so the next all-reduce sees
+    the same sum (rounded in another order).
+    """
+    value = variable.value
+    components = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+    if len(rows) != len(components):
+        rows = [rows.sum(axis=0)] + [np.zeros_like(rows[0])] * (len(components) - 1)
+    for component, row in zip(components, rows):
+        component.assign(row)
 
 
 def _maybe_merge_call(fn, *args):

@@ -174,3 +174,54 @@ def test_keras_own_accumulation_still_fails_under_mirrored(two_replicas):
         model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse")
     with pytest.raises(RuntimeError, match="merge_call"):
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+
+
+def _accumulating_model(strategy):
+    keras.config.set_dtype_policy("float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(0.01), gradient_accumulation_steps=3), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("save", ["weights", "keras"])
+def test_resume_mid_window_under_mirrored_is_exact(two_replicas, tmp_path, save):
+    """Issue 10 #2: each replica's partial sums come back to that replica (Keras saves replica 0's)."""
+    first, rest = (X[:16], Y[:16]), (X[16:48], Y[16:48])  # 2 micro-batches of 8: the window is open
+    whole = _accumulating_model(two_replicas)
+    whole.fit(*first, batch_size=8, shuffle=False, verbose=0)
+    whole.fit(*rest, batch_size=8, shuffle=False, verbose=0)
+
+    cut = _accumulating_model(two_replicas)
+    cut.fit(*first, batch_size=8, shuffle=False, verbose=0)
+    sums = cut.optimizer.accumulation.sums[0].value.values
+    assert int(cut.optimizer.accumulation.micro_steps.numpy()) == 2
+    assert not np.array_equal(sums[0].numpy(), sums[1].numpy())  # the replicas saw different halves
+    path = str(tmp_path / ("model.weights.h5" if save == "weights" else "model.keras"))
+    cut.save_weights(path) if save == "weights" else cut.save(path)
+
+    resumed = _accumulating_model(two_replicas)
+    with two_replicas.scope():
+        if save == "weights":
+            resumed.optimizer.build(resumed.trainable_variables)
+            resumed.load_weights(path)
+        else:
+            resumed = keras.models.load_model(path)
+    for ours, theirs in zip(resumed.optimizer.accumulation.sums[0].value.values, sums):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+    resumed.fit(*rest, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(whole.get_weights(), resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 2
+
+
+def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replicas, tmp_path):
+    cut = _accumulating_model(two_replicas)
+    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    total = sum(c.numpy() for c in cut.optimizer.accumulation.sums[0].value.values)
+    cut.save_weights(str(tmp_path / "m.weights.h5"))
+    one = _accumulating_model(tf.distribute.get_strategy())
+    one.optimizer.build(one.trainable_variables)
+    one.load_weights(str(tmp_path / "m.weights.h5"))
+    np.testing.assert_allclose(one.optimizer.accumulation.sums[0].numpy(), total, rtol=1e-6)
