@@ -62,6 +62,7 @@ raises first and the check never fires.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import keras
@@ -74,14 +75,16 @@ from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
 __all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
 
 # Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
-_LOGGED = {
+_SCALE_STATE = {
     "loss_scale": "dynamic_scale",
     "hysteresis_left": "hysteresis_left",
     "overflows": "overflows",
     "skipped_steps": "skipped_steps",
 }
+# Also logged: where the last overflow was (kmp's optimizer only).
+_LOGGED = _SCALE_STATE | {"overflow_variable": "overflow_variable"}
 # Everything the floor check reads (kmp's optimizer only).
-_CHECKED = _LOGGED | {"good_steps": "good_steps", "iterations": "iterations"}
+_CHECKED = _SCALE_STATE | {"good_steps": "good_steps", "iterations": "iterations"}
 
 
 def to_host(tensors: list) -> list[float]:
@@ -166,7 +169,7 @@ class _Probe:
     def _check(self, logged: dict) -> dict[str, float]:
         """Reads the state after this execution, raises if it was stuck, and
         returns the logged values as Python numbers (Keras then copies nothing)."""
-        after = logged | self._snapshot({k: v for k, v in _CHECKED.items() if k not in _LOGGED})
+        after = logged | self._snapshot({k: v for k, v in _CHECKED.items() if k not in logged})
         if self.unchecked_steps:
             after_values, before_values = self._to_host(after, self.before)
             before = self._window_state(before_values)
@@ -176,7 +179,7 @@ class _Probe:
         if stuck_in_window(self.config, before, self.known):
             raise LossScaleError(loss_scale.floor_message(before.scale, self.config))
         self.unchecked_steps, self.before = 0, None
-        return {key: after_values[key] for key in _LOGGED}
+        return {key: after_values.get(key, logged.get(key)) for key in logged}
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -186,7 +189,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     last three with kmp's `LossScaleOptimizer`; Keras's has only the scale) to
     the logs of every training step, so they reach the progress bar,
     `History.history` and TensorBoard wherever the monitor and those callbacks
-    sit in `callbacks=[...]`. With kmp's optimizer, a dynamic scale and
+    sit in `callbacks=[...]`. With kmp's optimizer it also adds
+    `overflow_variable`: the index in `model.trainable_variables` of the first
+    variable whose gradient was not finite at the last overflow (-1 before
+    any); under XLA, where the optimizer cannot print, the monitor prints that
+    variable's path on each overflow. With kmp's optimizer, a dynamic scale and
     `raise_at_min_scale=True`, raises `kmp.LossScaleError` when a step
     overflowed at the floor, which an XLA-compiled step cannot do itself.
     With any other optimizer it warns once and does nothing.
@@ -198,10 +205,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
         super().__init__()
         self._warned = False
         self._installed = None  # (model, original train_function, wrapper)
+        self._report, self._overflows_seen = False, 0.0
 
     def on_train_begin(self, logs=None):
         self._uninstall()  # left behind by a fit() that raised outside the step
         optimizer = self.model.optimizer
+        self._report = bool(self.model.jit_compile) and getattr(optimizer, "log_overflows", False)
+        self._overflows_seen = 0.0
         if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             self._warn_no_loss_scale(optimizer)
             return
@@ -227,6 +237,20 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._uninstall()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Outside XLA the optimizer prints its own overflow line; a compiled
+        # step cannot print, so the monitor says where the overflow was.
+        if not self._report or not isinstance(logs, dict):
+            return
+        overflows, index = logs.get("overflows"), logs.get("overflow_variable")
+        if overflows is None or index is None or overflows <= self._overflows_seen:
+            return
+        self._overflows_seen = overflows
+        variables = self.model.trainable_variables
+        where = variables[int(index)].path if 0 <= index < len(variables) else "unknown"
+        print(f"kmp: gradient overflow in an XLA-compiled step, step skipped. First non-finite gradient: {where}",
+              file=sys.stderr)
 
     def _uninstall(self):
         if self._installed is None:

@@ -51,7 +51,7 @@ from kmp.fused import fused_apply, fused_step
 from kmp.gradients import finite_flags, global_clip_scale, typed_where, unscale
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
-_STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps")
+_STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 _CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
@@ -155,7 +155,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with seams.get("DotNotTrackScope")():
             super().build(var_list)
             start = loss_scale.initial_state(self.loss_scale_config)
-            initial = {"hysteresis_left": start.hysteresis_left, "good_steps": 0, "skipped_steps": 0}
+            # overflow_variable: index of the first variable whose gradient was
+            # not finite at the last overflow (-1: none yet), for the logs.
+            initial = {"hysteresis_left": start.hysteresis_left, "good_steps": 0, "skipped_steps": 0,
+                       "overflow_variable": -1}
             for field in _STATE_FIELDS:
                 setattr(self, field, self.add_variable(
                     shape=(), dtype="int", initializer=keras.initializers.Constant(initial[field]),
@@ -274,6 +277,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.hysteresis_left.assign(new.hysteresis_left)
         self.good_steps.assign(new.good_steps)
         self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
+        if len(flags):
+            first = tf.argmin(tf.cast(tf.stack(list(flags)), tf.int32), output_type=tf.int64)  # first False
+            self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
 
     def save_own_variables(self, store):
         """Keras's format (one value per variable), plus each local replica's own

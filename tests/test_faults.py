@@ -171,3 +171,22 @@ def test_the_overflow_line_names_the_variables_whose_gradients_overflowed(capfd)
     opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0)
     opt.apply([tf.constant([np.inf])] * 6, many)
     assert "| non-finite gradients: v0, v1, v2, and 3 more\n" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_the_monitor_logs_where_the_last_overflow_was(jit_compile, capfd):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="first"), keras.layers.Dense(1)],
+                             name="net")
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=64.0), loss="mse",
+                  jit_compile=jit_compile)
+    x, y = np.ones((16, 2), "float32"), np.zeros((16, 1), "float32")
+    x[8:12] = np.inf  # batch 2 of 4
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[LossScaleMonitor()])
+    assert history.history["overflow_variable"] == [0.0]  # dense/kernel: first in model.trainable_variables
+    assert history.history["overflows"] == [1.0]
+    err = capfd.readouterr().err
+    if jit_compile:
+        assert "XLA-compiled step, step skipped. First non-finite gradient: net/first/kernel" in err, err
+    else:
+        assert "| non-finite gradients: net/first/kernel, net/first/bias" in err, err
