@@ -7,6 +7,7 @@
 from kmp import callbacks, distribute
 from kmp.config import Communication, Config, LossScaleConfig
 from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
+from kmp.backup import BackupError
 from kmp.errors import ConfigError, KmpError, LossScaleError
 from kmp.optimizer import LossScaleOptimizer
 from kmp.precision import (
@@ -24,6 +25,7 @@ from kmp.wrap import wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackupError",
     "Communication",
     "Config",
     "ConfigError",

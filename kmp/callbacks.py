@@ -69,10 +69,11 @@ import keras
 import tensorflow as tf
 
 from kmp import loss_scale, overflow, values
+from kmp.backup import BackupAndRestore
 from kmp.errors import LossScaleError, Problem, check
 from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
 
-__all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
+__all__ = ["BackupAndRestore", "GradientAccumulationScheduler", "LossScaleMonitor"]
 
 # Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
 _SCALE_STATE = {
@@ -218,11 +219,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         original = self.model.train_function
         if original is None:  # a custom loop that calls the callbacks itself
             return
-        probe = _Probe(optimizer, int(self.model.steps_per_execution or 1))
+        steps_per_execution = int(self.model.steps_per_execution or 1)
+        probe = []  # made at the first step: a callback after this one may still restore the state
 
         def train_function_with_loss_scale(iterator):
+            if not probe:
+                probe.append(_Probe(optimizer, steps_per_execution))
             try:
-                return probe.add_state(original(iterator))
+                return probe[0].add_state(original(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of the data, not a failure
             except BaseException as e:

@@ -398,7 +398,10 @@ def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, 
 
 def _unknown_arguments(kwargs: dict) -> list[Problem]:
     """Names neither kmp nor Keras's optimizers take (Keras's own are left to Keras's checks)."""
-    keras_names = set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters) | {"dynamic"}
+    # Every Keras optimizer takes the base class's arguments (clipnorm, use_ema,
+    # ...): the ones SGD and Adam share. Keras's wrapper rejects them itself.
+    shared = set(inspect.signature(keras.optimizers.SGD.__init__).parameters)
+    keras_names = (shared & set(inspect.signature(keras.optimizers.Adam.__init__).parameters)) | {"dynamic"}
     ours = [n for n in inspect.signature(LossScaleOptimizer.__init__).parameters if n not in ("self", "kwargs")]
     return [
         Problem(name, "an argument of kmp.LossScaleOptimizer", value, (

@@ -35,7 +35,7 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
     ),
     "collective_all_reduce_multi_worker": (
         "keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker",
-        "kmp.prepare: Keras's own test for MultiWorkerMirroredStrategy",
+        "kmp.prepare and kmp.callbacks.BackupAndRestore: Keras's own test for MultiWorkerMirroredStrategy",
     ),
     "model_supports_jit": (
         "keras.src.trainers.trainer", "model_supports_jit",
@@ -70,6 +70,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_loss_tracker",
         "_call_has_training_arg",
         "_autoconvert_optionals",
+        "_initial_epoch",          # kmp.callbacks.BackupAndRestore: the epoch fit() resumes at
     ),
     "keras.optimizers.Optimizer": (
         "_learning_rate",          # kmp.fused: variable, schedule or callable
