@@ -1,8 +1,7 @@
 """What kmp does to a list of gradients between the backward pass and the update.
 
     unscale(g, scale)        g / scale, in float32 (the master precision)
-    all_finite(grads)        no inf or nan anywhere (sparse values included);
-                             finite_flags(grads) says which gradient holds one
+    finite_flags(grads)      per gradient: no inf or nan (sparse values included)
     clip_by_global_norm(grads, clip)
                              Keras's global-norm clip, op for op, except that
                              finite gradients too large to square still get a
@@ -43,12 +42,6 @@ def finite_flags(grads) -> list:
         else tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
         for g in grads
     ]
-
-
-def all_finite(grads) -> tf.Tensor:
-    """True iff no gradient holds an inf or a nan (sparse ones included)."""
-    flags = finite_flags(grads)
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
 def global_norm(grads):

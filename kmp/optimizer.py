@@ -50,7 +50,6 @@ from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.fused import fused_apply, fused_step
 from kmp.gradients import finite_flags, global_clip_scale, typed_where, unscale
 
-_SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 _CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
 
