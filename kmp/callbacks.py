@@ -212,7 +212,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._uninstall()  # left behind by a fit() that raised outside the step
         optimizer = self.model.optimizer
         self._report = bool(self.model.jit_compile) and getattr(optimizer, "log_overflows", False)
-        self._overflows_seen = 0.0
+        # A second fit() continues the optimizer's count: only new overflows are reported.
+        skipped = getattr(optimizer, "skipped_steps", None)
+        self._overflows_seen = 0.0 if skipped is None else float(skipped.numpy())
         if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             self._warn_no_loss_scale(optimizer)
             return

@@ -40,6 +40,17 @@ def _validate(instance, problems: list[Problem], source: str) -> None:
     check(problems, source)
 
 
+def attempt(make, fallback, prefix: str = ""):
+    """(make(), []), or (fallback, the ConfigError's problems with `prefix` on their paths).
+
+    How a reader collects every problem of a setup before it raises one error.
+    """
+    try:
+        return make(), []
+    except ConfigError as e:
+        return fallback, [dataclasses.replace(p, path=prefix + p.path) for p in e.problems]
+
+
 def _named_fields(source: str):
     """Makes an unknown keyword (a misspelled field) a ConfigError with a did-you-mean, not a TypeError."""
 
@@ -155,10 +166,7 @@ def communication_of(value) -> tuple[Communication, list[Problem]]:
         ]
         if unknown:
             return Communication(), unknown
-        try:
-            return Communication(**value), []
-        except ConfigError as e:
-            return Communication(), [dataclasses.replace(p, path=f"communication.{p.path}") for p in e.problems]
+        return attempt(lambda: Communication(**value), Communication(), "communication.")
     return Communication(), [Problem("communication", "None, a dict or a kmp.Communication", value)]
 
 

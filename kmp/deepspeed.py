@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig
+from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.values import INT64_MAX, int_in, is_int, is_number, key_name, plain
 
@@ -314,18 +314,10 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
     # Constructing validates ranges; problems come back under field names and
     # are reported under the JSON key path, with the value as written there.
     rows = {row.field: row for row in DEEPSPEED_KEYS}
-    found: list[Problem] = []
-    try:
-        loss_scale = dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale)
-    except ConfigError as e:
-        found += [dataclasses.replace(p, path=f"loss_scale.{p.path}") for p in e.problems]
-        loss_scale = DEEPSPEED_LOSS_SCALE
-    try:
-        config = Config(**top, loss_scale=loss_scale)
-    except ConfigError as e:
-        found += e.problems
-        config = Config(loss_scale=loss_scale)
-    for p in found:
+    loss_scale, found = attempt(lambda: dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale), DEEPSPEED_LOSS_SCALE,
+                                "loss_scale.")
+    config, more = attempt(lambda: Config(**top, loss_scale=loss_scale), DEEPSPEED_CONFIG)
+    for p in found + more:
         row = rows.get(p.path)
         if row is not None:
             path = path_of(row.key)

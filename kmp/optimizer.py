@@ -44,14 +44,13 @@ from keras import ops
 
 from kmp import loss_scale, overflow, seams, values
 from kmp.accumulate import Accumulation
-from kmp.config import LossScaleConfig, communication_of
+from kmp.config import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import reduce_mean
-from kmp.errors import ConfigError, Problem, check, did_you_mean
+from kmp.errors import Problem, check, did_you_mean
 from kmp.fused import fused_apply, fused_step
 from kmp.gradients import finite_flags, global_clip_scale, typed_where, unscale
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
-_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -336,6 +335,12 @@ def _assign_per_replica(variable, rows):
         component.assign(row)
 
 
+def own_clipping(optimizer) -> dict:
+    """The clipping a Keras optimizer does itself: {"clipnorm" | "clipvalue" | "global_clipnorm": value}."""
+    names = ("clipnorm", "clipvalue", "global_clipnorm")
+    return {k: getattr(optimizer, k) for k in names if getattr(optimizer, k) is not None}
+
+
 def _maybe_merge_call(fn, *args):
     """fn(strategy, *args): through merge_call where the strategy needs one, else here."""
     strategy = tf.distribute.get_strategy()
@@ -377,10 +382,7 @@ def _reduced_already(inner):
 
 def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, list[Problem]]:
     if given_config is None:
-        try:
-            return LossScaleConfig(**arguments), []
-        except ConfigError as e:
-            return LossScaleConfig(), list(e.problems)
+        return attempt(lambda: LossScaleConfig(**arguments), LossScaleConfig())
     if not isinstance(given_config, LossScaleConfig):
         return LossScaleConfig(), [Problem("loss_scale", "None or a kmp.LossScaleConfig", given_config)]
     # Passed, not merely equal to the default: a default argument is the very
@@ -428,7 +430,7 @@ def _inner_problems(inner, gradient_clipping) -> list[Problem]:
             "Pass gradient_accumulation_steps to kmp.LossScaleOptimizer (or kmp.wrap) instead: "
             "Keras's own accumulation fails under tf.distribute and checks overflows per micro-batch.",
         )]
-    clipping = {k: getattr(inner, k) for k in _CLIPPING if getattr(inner, k) is not None}
+    clipping = own_clipping(inner)
     if gradient_clipping is not None and clipping:
         name, value = next(iter(clipping.items()))
         return [Problem(

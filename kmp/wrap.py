@@ -30,10 +30,10 @@ import keras
 import tensorflow as tf
 
 from kmp import values
-from kmp.config import Config, LossScaleConfig, communication_of
+from kmp.config import Config, LossScaleConfig, attempt, communication_of
 from kmp.deepspeed import load_config, resolve_batch_sizes
-from kmp.errors import ConfigError, Problem, check, did_you_mean
-from kmp.optimizer import LossScaleOptimizer
+from kmp.errors import Problem, check, did_you_mean
+from kmp.optimizer import LossScaleOptimizer, own_clipping
 from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
@@ -109,16 +109,9 @@ def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config
     if extra.get("communication") is not None:
         extra["communication"], more = communication_of(extra["communication"])
         problems += more
-    loss_scale = settings.loss_scale
-    try:
-        loss_scale = dataclasses.replace(loss_scale, **scale)
-    except ConfigError as e:
-        problems += e.problems
-    try:
-        settings = dataclasses.replace(settings, loss_scale=loss_scale, **top)
-    except ConfigError as e:
-        problems += e.problems
-    check(problems, "kmp.wrap settings")
+    loss_scale, more = attempt(lambda: dataclasses.replace(settings.loss_scale, **scale), settings.loss_scale)
+    settings, even_more = attempt(lambda: dataclasses.replace(settings, loss_scale=loss_scale, **top), settings)
+    check(problems + more + even_more, "kmp.wrap settings")
     return settings, extra
 
 
@@ -161,8 +154,7 @@ def _clipping_to_add(optimizer: keras.optimizers.Optimizer, clip: float | None) 
     """The global-norm clip kmp must add, or None (none asked, or the optimizer already clips so)."""
     if clip is None:
         return None
-    already = {k: getattr(optimizer, k) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
-    already = {k: v for k, v in already.items() if v is not None}
+    already = own_clipping(optimizer)
     if already == {"global_clipnorm": clip}:
         return None
     if already:

@@ -190,3 +190,15 @@ def test_the_monitor_logs_where_the_last_overflow_was(jit_compile, capfd):
         assert "XLA-compiled step, step skipped. First non-finite gradient: net/first/kernel" in err, err
     else:
         assert "| non-finite gradients: net/first/kernel, net/first/bias" in err, err
+
+
+def test_a_second_clean_fit_reports_no_old_overflow_under_xla(capfd):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=64.0), loss="mse",
+                  jit_compile=True)
+    x, y = np.ones((8, 2), "float32"), np.zeros((8, 1), "float32")
+    x[:4] = np.inf
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[LossScaleMonitor()])
+    assert "First non-finite gradient" in capfd.readouterr().err
+    model.fit(x[4:], y[4:], batch_size=4, verbose=0, callbacks=[LossScaleMonitor()])
+    assert "First non-finite gradient" not in capfd.readouterr().err
