@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from kmp import values
+from kmp.optimizers import OptimizerSpec
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 
 GrowthRule = Literal["every_window", "after_window"]
@@ -192,9 +193,19 @@ class Config:
     prescale_gradients: bool | None = None
     gradient_predivide_factor: float | None = None
     allreduce_bytes_per_pack: int = 0
+    # The job around the precision: DeepSpeed's optimizer and scheduler
+    # blocks as checked specs (kmp.optimizers, kmp.schedules; kmp.wrap builds
+    # them), and the ZeRO stage asked for (kmp keeps everything whole).
+    optimizer: OptimizerSpec | None = None
+    scheduler: Any = None
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         out: list[Problem] = []
+        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
+            out.append(Problem("optimizer", "a kmp.optimizers.OptimizerSpec (kmp.load_config reads one)",
+                               self.optimizer))
+        values.int_in("zero_stage", self.zero_stage, 0, out, high=3)
         values.choice("precision", self.precision, PRECISIONS, out)
         values.choice("strategy", self.strategy, STRATEGIES, out)
         values.choice("communication_data_type", self.communication_data_type, COMMUNICATION_DTYPES, out)

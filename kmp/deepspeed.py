@@ -11,10 +11,16 @@
   dict and `kmp.wrap` with a config go through `load_config` too.
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
-- Unknown keys are errors with a did-you-mean: a misspelled `hysterisis` that
-  silently keeps the default is the bug this module exists to catch. Keys
-  DeepSpeed knows but kmp does not act on (ZeRO, optimizer, monitors, ...) are
-  named together in one warning.
+- Unknown keys inside a block (fp16, bf16, kmp) are errors with a
+  did-you-mean, as DeepSpeed's own config models refuse them: a misspelled
+  `hysterisis` that silently keeps the default is the bug this module exists
+  to catch. Unknown top-level keys are named in one warning and the file loads,
+  as DeepSpeed ignores them (`strict=True` makes them errors). Keys DeepSpeed
+  knows but kmp does not act on (monitors, profilers, ...) are named together
+  in one warning.
+- The `optimizer` block is read by kmp.optimizers, the `scheduler` block by
+  kmp.schedules, `zero_optimization` here (its stage; what kmp does instead
+  is warned about). Hugging Face's "auto" values are filled by kmp.auto.
 - kmp-only settings live in a `kmp` block. DeepSpeed reads top-level keys one
   by one and ignores the rest, so one file can serve both.
 - `resolve_batch_sizes` infers and checks batch sizes exactly as DeepSpeed's
@@ -32,9 +38,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from kmp import auto, optimizers
 from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
-from kmp.values import INT64_MAX, int_in, is_int, is_number, key_name, plain
+from kmp.values import FLOAT32_MAX, INT64_MAX, int_in, is_int, is_number, key_name, plain
 
 # The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
 # growth rule and max scale of its current DynamicLossScaler).
@@ -92,7 +99,9 @@ class _Key:
 
 # DeepSpeed's names of communication_data_type -> kmp's (TensorFlow's).
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-_COMMUNICATION_DTYPE = ("one of 'fp32', 'fp16', 'bf16'", lambda v: isinstance(v, str) and v in _DTYPE_NAMES)
+# DeepSpeed lower-cases the value (runtime/config.py, get_communication_data_type): "FP16" is "fp16".
+_COMMUNICATION_DTYPE = ("one of 'fp32', 'fp16', 'bf16' (any case)",
+                        lambda v: isinstance(v, str) and v.lower() in _DTYPE_NAMES)
 _STRATEGY = ("one of " + ", ".join(repr(s) for s in STRATEGIES), lambda v: isinstance(v, str))
 
 DEEPSPEED_KEYS: tuple[_Key, ...] = (
@@ -119,7 +128,7 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("kmp.backoff_factor", "loss_scale.backoff_factor", _NUMBER, float),
     _Key("kmp.strategy", "strategy", _STRATEGY),
     _Key("communication_data_type", "communication_data_type", _COMMUNICATION_DTYPE,
-         lambda v: _DTYPE_NAMES[v], lambda d: {t: k for k, t in _DTYPE_NAMES.items()}.get(d, d)),
+         lambda v: _DTYPE_NAMES[v.lower()], lambda d: {t: k for k, t in _DTYPE_NAMES.items()}.get(d, d)),
     _Key("prescale_gradients", "prescale_gradients", _BOOL),
     _Key("gradient_predivide_factor", "gradient_predivide_factor", _NUMBER, float),
     _Key("kmp.allreduce_bytes_per_pack", "allreduce_bytes_per_pack", ("an integer >= 0 (0: one bucket)",
@@ -131,7 +140,7 @@ _BLOCKS = ("fp16", "bf16", "kmp")
 # Keys DeepSpeed reads (deepspeed/runtime/config.py, precision_config.py,
 # monitor/config.py of DeepSpeed 0.19) that kmp does not act on.
 _IGNORED: dict[str, list[str]] = {
-    "": """zero_optimization optimizer scheduler steps_per_print wall_clock_breakdown memory_breakdown
+    "": """steps_per_print wall_clock_breakdown memory_breakdown
         dump_state activation_checkpointing flops_profiler autotuning tensorboard wandb csv_monitor comet
         trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
         seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather data_types
@@ -143,6 +152,10 @@ _IGNORED: dict[str, list[str]] = {
     "fp16": ["auto_cast", "fp16_master_weights_and_grads"],
     "bf16": ["immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"],
 }
+# Top-level blocks read by their own modules.
+_READ_ELSEWHERE = ("optimizer", "scheduler", "zero_optimization")
+# Where "auto" may stay: blocks kmp does not act on, and ZeRO's tuning keys.
+_AUTO_LEFT = tuple(_IGNORED[""]) + ("zero_optimization",)
 
 
 DEEPSPEED_CONFIG = Config(loss_scale=DEEPSPEED_LOSS_SCALE)  # a file with no keys
@@ -157,21 +170,58 @@ def _get(config: Config, field: str) -> Any:
     return functools.reduce(getattr, field.split("."), config)
 
 
-def load_config(source: Mapping[str, Any] | str | os.PathLike) -> Config:
+def load_config(source: Mapping[str, Any] | str | os.PathLike, *, strict: bool = False, **fills: Any) -> Config:
     """A Config from a dict, a path to a JSON file, or a JSON string (starts with '{' or '[').
 
-    Raises one ConfigError listing every problem; warns once about DeepSpeed
-    keys that kmp ignores.
+    Raises one ConfigError listing every problem. Warns once about unknown
+    top-level keys (DeepSpeed ignores them; `strict=True` makes them errors)
+    and once about DeepSpeed keys kmp does not act on.
+
+    `fills` fill Hugging Face's "auto" values (kmp.auto): `precision`
+    ("fp16", "bf16", "fp32"), `micro_batch_size`, `train_batch_size`,
+    `gradient_accumulation_steps`, `replicas`, `total_steps`,
+    `warmup_steps`, `gradient_clipping`. `kmp.wrap` fills them from its
+    optimizer, strategy and arguments.
     """
+    return read_config(source, strict=strict, given=given_of(fills), stacklevel=3)
+
+
+_FILL_NAMES = ("precision", "micro_batch_size", "train_batch_size", "gradient_accumulation_steps", "replicas",
+               "total_steps", "warmup_steps", "gradient_clipping")
+
+
+def given_of(fills: Mapping[str, Any]) -> auto.Given:
+    """load_config's keyword arguments as a kmp.auto.Given, checked."""
+    problems = [Problem(key_name(k), f"one of {', '.join(_FILL_NAMES)}", v, did_you_mean(str(k), _FILL_NAMES))
+                for k, v in fills.items() if k not in _FILL_NAMES]
+    for name, value in fills.items():
+        if value is None or name not in _FILL_NAMES:
+            continue
+        if name == "precision":
+            if value not in ("fp32", "fp16", "bf16"):
+                problems.append(Problem(name, "'fp32', 'fp16' or 'bf16'", value))
+        elif name == "gradient_clipping":
+            if not (is_number(value) and value >= 0):
+                problems.append(Problem(name, "a number >= 0 (0: none)", value))
+        else:
+            int_in(name, value, 0 if name == "warmup_steps" else 1, problems)
+    check(problems, "kmp.load_config arguments")
+    fills = {k: plain(v) for k, v in fills.items()}
+    return auto.Given(world_size=fills.pop("replicas", None), **fills)
+
+
+def read_config(source: Any, *, strict: bool = False, given: auto.Given = auto.Given(), stacklevel: int = 2
+                ) -> Config:
+    """load_config, with what fills "auto" given as a kmp.auto.Given (what kmp.wrap passes)."""
     raw, name = _read(source)
-    config, ignored = _from_dict(raw, name)
-    if ignored:
-        warnings.warn(
-            f"kmp does not act on these keys of the {name}, and ignores them: {', '.join(ignored)}. "
-            "Keep them if DeepSpeed reads the same file; remove them to silence this warning.",
-            UserWarning,
-            stacklevel=2,
-        )
+    filled, auto_problems = [], []
+    if isinstance(raw, Mapping):
+        raw, filled, auto_problems = auto.fill_auto(raw, given, _AUTO_LEFT, keep=("kmp.strategy",))
+    config, notes = _from_dict(raw, name, strict, auto_problems)
+    for note in notes:
+        warnings.warn(note, UserWarning, stacklevel=stacklevel)
+    if filled:
+        print(auto.describe(filled, name))
     return config
 
 
@@ -243,11 +293,14 @@ def _parse(text: str, name: str) -> Any:
     return data
 
 
-def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
+def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem] | None = None
+               ) -> tuple[Config, list[str]]:
+    """(the Config, the warnings to give) for a parsed file; raises one ConfigError for every problem."""
     if not isinstance(raw, Mapping):
         check([Problem("(top level)", "a JSON object {...}", raw)], name)
-    problems: list[Problem] = []
+    problems = list(problems or [])
     ignored: list[str] = []
+    unknown: list[str] = []
     # "bfloat16" is DeepSpeed's old name of the bf16 block; report paths as the user spelled them.
     spelled = {b: b for b in _BLOCKS}
     if "bfloat16" in raw:
@@ -271,15 +324,18 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
     # Unknown and ignored keys, level by level.
     for level, values in levels.items():
         known = [k.key.rpartition(".")[2] for k in DEEPSPEED_KEYS if k.key.rpartition(".")[0] == level]
-        known += _IGNORED.get(level, []) + ([] if level else ["bfloat16", *_BLOCKS])
+        known += _IGNORED.get(level, []) + ([] if level else ["bfloat16", *_BLOCKS, *_READ_ELSEWHERE])
         for key, value in values.items():
             path = f"{spelled[level]}.{key_name(key)}" if level else key_name(key)
             if key in _IGNORED.get(level, []):
                 ignored.append(path)
             elif key not in known:
-                where = spelled[level] if level else "the top level"
-                problems.append(Problem(path, f"a key of {where} that kmp or DeepSpeed knows", value,
-                                        _unknown_key_fix(str(key), level, known, spelled)))
+                fix = _unknown_key_fix(str(key), level, known, spelled)
+                if level or strict:  # DeepSpeed's block models forbid extra keys; its top level does not
+                    where = spelled[level] if level else "the top level"
+                    problems.append(Problem(path, f"a key of {where} that kmp or DeepSpeed knows", value, fix))
+                else:
+                    unknown.append(f"{path} ({fix})" if fix.startswith(("Did", "Keys")) else path)
 
     # Values, through the table. A value of the wrong type is reported and
     # left out, so the range checks below do not report it a second time.
@@ -311,6 +367,21 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
 
     scale = {f.partition(".")[2]: v for f, (_, v) in claimed.items() if f.startswith("loss_scale.")}
     top = {f: v for f, (_, v) in claimed.items() if not f.startswith("loss_scale.")}
+    # kmp's ceiling (the spec's 2**24) is not DeepSpeed's, which has none: a
+    # file starting above it raises it to its initial scale.
+    if DEEPSPEED_LOSS_SCALE.max_scale < scale.get("initial_scale", 0) <= FLOAT32_MAX and "max_scale" not in scale:
+        scale["max_scale"] = scale["initial_scale"]
+    notes: list[str] = []
+    if "optimizer" in raw:
+        top["optimizer"], more = optimizers.parse_optimizer(raw["optimizer"])
+        problems += more
+    if "scheduler" in raw:
+        top["scheduler"], more = _scheduler(raw["scheduler"], top.get("optimizer"))
+        problems += more
+    if "zero_optimization" in raw:
+        top["zero_stage"], zero_notes, more = _zero(raw["zero_optimization"])
+        problems += more
+        notes += zero_notes
     # Constructing validates ranges; problems come back under field names and
     # are reported under the JSON key path, with the value as written there.
     rows = {row.field: row for row in DEEPSPEED_KEYS}
@@ -333,8 +404,57 @@ def _from_dict(raw: Any, name: str) -> tuple[Config, list[str]]:
                     expected = expected.replace(f"{field_name}=", f"{path_of(other_row.key)}=")
             p = Problem(path, expected, shown, fix.strip())
         problems.append(p)
+    seen: set[str] = set()  # an "auto" kmp could not fill is reported once, by kmp.auto
+    problems = [p for p in problems if not (p.path in seen or seen.add(p.path))]
     check(problems, name)
-    return config, ignored
+    if unknown:
+        notes.insert(0, f"The {name} has keys neither kmp nor DeepSpeed knows; both ignore them: "
+                        f"{', '.join(unknown)}. Pass strict=True (kmp config check --strict) to make them errors.")
+    if ignored:
+        notes.append(f"kmp does not act on these keys of the {name}, and ignores them: {', '.join(ignored)}. "
+                     "Keep them if DeepSpeed reads the same file; remove them to silence this warning.")
+    return config, notes
+
+
+_ZERO_STAGES = {
+    1: "stage 1 partitions optimizer state across replicas; kmp does not yet, so every replica keeps the "
+       "whole optimizer state",
+    2: "stage 2 partitions gradients and optimizer state; kmp keeps both whole on every replica and "
+       "all-reduces gradients (as stage 0)",
+    3: "stage 3 partitions parameters too; kmp keeps every parameter, gradient and optimizer state on "
+       "every replica (as stage 0)",
+}
+
+
+def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
+    """(stage, warnings, problems) of a `zero_optimization` block. Training is the same; memory is not."""
+    if isinstance(block, bool):  # DeepSpeed's legacy form: true is stage 1
+        block = {"stage": int(block)}
+    if not isinstance(block, Mapping):
+        return 0, [], [Problem("zero_optimization", "a JSON object {...}", block)]
+    problems: list[Problem] = []
+    stage = block.get("stage", 0)
+    if not int_in("zero_optimization.stage", stage, 0, problems, high=3, fix="DeepSpeed's stages are 0 to 3."):
+        return 0, [], problems
+    notes = []
+    if stage:
+        notes.append(f"zero_optimization.stage is {stage}: {_ZERO_STAGES[stage]}. The training is the same; "
+                     "the memory saved is not.")
+    offloaded = [k for k in ("offload_optimizer", "offload_param")
+                 if isinstance(block.get(k), Mapping) and str(block[k].get("device", "none")).lower() != "none"]
+    if block.get("cpu_offload") is True:
+        offloaded.append("cpu_offload")
+    if offloaded:
+        notes.append(f"zero_optimization.{', '.join(offloaded)}: kmp does not offload; optimizer state and "
+                     "parameters stay on the training device.")
+    return stage, notes, problems
+
+
+def _scheduler(block: Any, optimizer: Any) -> tuple[Any, list[Problem]]:
+    """The checked `scheduler` block (kmp.schedules), built later against the optimizer's learning rate."""
+    from kmp import schedules
+
+    return schedules.parse_scheduler(block, "scheduler")
 
 
 def _unknown_key_fix(key: str, level: str, known: list[str], spelled: dict[str, str]) -> str:
@@ -368,6 +488,13 @@ def to_deepspeed(config: Config) -> dict[str, Any]:
         if value is not None:
             block, _, leaf = row.key.rpartition(".")
             (out.setdefault(block, {}) if block else out)[leaf] = value
+    if config.optimizer is not None:
+        params = {k: list(v) if isinstance(v, tuple) else v for k, v in config.optimizer.params.items()}
+        out["optimizer"] = {"type": config.optimizer.type, "params": params}
+    if config.scheduler is not None:
+        out["scheduler"] = config.scheduler.to_deepspeed()
+    if config.zero_stage:
+        out["zero_optimization"] = {"stage": config.zero_stage}
     return out
 
 

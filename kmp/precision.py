@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Mapping, Union, get_args
@@ -164,8 +165,16 @@ PrecisionLike = Union[
 ]
 
 
+def _is_config_text_or_path(value: str) -> bool:
+    return value.lstrip().startswith(("{", "[")) or value.endswith(".json") or os.path.isfile(value)
+
+
 def resolve_precision(value: PrecisionLike, *, hardware: Hardware | None = None) -> Precision:
-    """Map any accepted precision spelling to a `Precision` (see docs/precision.md)."""
+    """Map any accepted precision spelling to a `Precision` (see docs/precision.md).
+
+    A DeepSpeed config (a dict, a kmp.Config, a path to a JSON file or JSON
+    text) gives the precision its fp16/bf16 blocks ask for.
+    """
     if hardware is not None and not isinstance(hardware, Hardware):
         raise _error(hardware, "hardware", "None (detect it) or a kmp.Hardware", "E.g. kmp.Hardware('gpu', (8, 0)).")
     if isinstance(value, Precision):
@@ -196,8 +205,12 @@ def resolve_precision(value: PrecisionLike, *, hardware: Hardware | None = None)
             return Precision(_LIGHTNING[value])
         if value in get_args(ShortPrecision):
             return Precision(_SHORT[value])
+        if _is_config_text_or_path(value):  # what kmp.load_config accepts
+            return Precision(_SHORT[precision_of(value)])
         hint = did_you_mean(value, _STRINGS) or did_you_mean(value.lower(), _STRINGS)
         raise _error(value, fix=hint)
+    if isinstance(value, os.PathLike):
+        return Precision(_SHORT[precision_of(value)])
     raise _error(value)
 
 

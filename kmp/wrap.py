@@ -22,6 +22,7 @@ all-reduce; where `wrap` returns a plain optimizer, it returns a copy
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import warnings
 from typing import Any
@@ -29,43 +30,65 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmp import values
+from kmp import auto, optimizers, values
 from kmp.config import Config, LossScaleConfig, attempt, communication_of
-from kmp.deepspeed import load_config, resolve_batch_sizes
+from kmp.deepspeed import read_config, resolve_batch_sizes
 from kmp.errors import Problem, check, did_you_mean
 from kmp.optimizer import LossScaleOptimizer, own_clipping
 from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
-_TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps")
+_TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "micro_batch_size")
 _OPTIMIZER_FIELDS = ("log_overflows", "fused", "communication")
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def wrap(optimizer, config=None, *, precision=None, **overrides):
+def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_steps=None, warmup_steps=None,
+         **overrides):
     """The optimizer to compile with, for the given or active precision.
 
     Args:
-        optimizer: a `keras.optimizers.Optimizer` or a name Keras knows ("adamw").
-        config: a `kmp.Config`, or a DeepSpeed-style config as a dict, a JSON
-            file path or a JSON string (see `kmp.load_config`).
+        optimizer: a `keras.optimizers.Optimizer`, a name Keras knows
+            ("adamw"), or None to build the one the config's `optimizer`
+            block names (kmp.optimizers). A passed optimizer wins over the
+            block; one warning lists the block's params it does not match.
+        config: a `kmp.Config`; a DeepSpeed-style config as a dict, a JSON
+            file path or a JSON string (see `kmp.load_config`); or the
+            argparse namespace of `kmp.add_config_arguments`.
         precision: any spelling `kmp.resolve_precision` accepts; overrides
             the config and the global policy for this optimizer only.
+        strict: unknown top-level config keys are errors, not a warning.
+        total_steps, warmup_steps: fill the scheduler's "auto" step counts.
         **overrides: loss-scale settings (`hysteresis=2`, `min_scale=...`,
             any `kmp.LossScaleOptimizer` argument), `gradient_clipping`,
-            `gradient_accumulation_steps`.
+            `gradient_accumulation_steps`, `train_batch_size`,
+            `micro_batch_size` (these also fill "auto" values).
 
-    Batch sizes in the config (`train_batch_size`,
-    `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`) are
-    completed and checked as DeepSpeed does, with the strategy's replicas as
-    its world size; more than one micro-batch per step turns on kmp's
-    accumulation. Feed `fit()` the micro-batch: `batch_size = micro * replicas`.
+    Batch sizes (`train_batch_size`, `train_micro_batch_size_per_gpu`,
+    `gradient_accumulation_steps`) are completed and checked as DeepSpeed
+    does, with the strategy's replicas as its world size; more than one
+    micro-batch per step turns on kmp's accumulation. Feed `fit()` the
+    micro-batch: `batch_size = micro * replicas`. The config's `scheduler`
+    block becomes the optimizer's learning rate (kmp.schedules).
     """
-    settings = config if isinstance(config, Config) else (Config() if config is None else load_config(config))
+    if isinstance(config, argparse.Namespace):
+        config, precision, strict, total_steps, warmup_steps, overrides = _from_namespace(
+            config, precision, strict, total_steps, warmup_steps, overrides)
+    if optimizer is not None:
+        optimizer = _as_optimizer(optimizer)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    policy = resolve_precision(precision if precision is not None else keras.config.dtype_policy())
+    if isinstance(config, Config):
+        settings = config
+    elif config is None:
+        settings = Config()
+    else:
+        given = _given(optimizer, policy, precision, overrides, replicas, total_steps, warmup_steps)
+        settings = read_config(config, strict=strict, given=given, stacklevel=3)
     settings, extra = _with_overrides(settings, overrides)
-    optimizer = _as_optimizer(optimizer)
+    optimizer = _optimizer_for(optimizer, settings)
     chosen = _choose_precision(precision, settings)
     clip = _clipping_to_add(optimizer, settings.gradient_clipping)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
     steps = _accumulation_steps(settings, replicas)
     if steps is not None:
         extra["gradient_accumulation_steps"] = steps
@@ -78,7 +101,66 @@ def wrap(optimizer, config=None, *, precision=None, **overrides):
         # both right; a static scale of 1 is that pipeline without scaling
         # (and it still skips non-finite steps).
         return LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
-    return optimizer if clip is None else _copy_with_clipping(optimizer, clip)
+    return optimizer if clip is None else _copy_with(optimizer, global_clipnorm=clip)
+
+
+def _given(optimizer, policy: Precision, precision, overrides, replicas, total_steps, warmup_steps) -> auto.Given:
+    """What fills a config's "auto" values (kmp.auto)."""
+    source = "precision=" if precision is not None else f"the active Keras policy {policy}"
+    fills: dict[str, Any] = {"precision": _SHORT[policy.compute_dtype], "precision_source": source,
+                             "world_size": replicas, "total_steps": total_steps, "warmup_steps": warmup_steps}
+    for name in ("micro_batch_size", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping"):
+        fills[name] = overrides.get(name)
+    if optimizer is not None:
+        fills["optimizer"] = _deepspeed_params(optimizer)
+        fills["optimizer_source"] = f"the {type(optimizer).__name__} passed to kmp.wrap"
+        if fills["gradient_clipping"] is None:
+            fills["gradient_clipping"] = optimizer.global_clipnorm or 0
+            fills["clipping_source"] = f"the {type(optimizer).__name__}'s global_clipnorm"
+    return auto.Given(**fills)
+
+
+def _deepspeed_params(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """The optimizer's settings under DeepSpeed's param names (what "auto" in optimizer.params is filled from)."""
+    lr = optimizer._learning_rate
+    out = {"lr": float(lr.numpy()) if hasattr(lr, "numpy") else lr if values.is_number(lr) else None,
+           "weight_decay": optimizer.weight_decay or 0.0}
+    if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
+        out["betas"] = [optimizer.beta_1, optimizer.beta_2]
+    if hasattr(optimizer, "epsilon"):
+        out["eps"] = optimizer.epsilon
+    return out
+
+
+def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
+    """The passed optimizer, or the config's; with the config's schedule as its learning rate."""
+    spec = settings.optimizer
+    if optimizer is None and spec is None:
+        check([Problem("optimizer", "an optimizer, or a config with an optimizer block", None,
+                       'E.g. kmp.wrap(keras.optimizers.AdamW(1e-3), config), or {"optimizer": {"type": "AdamW", '
+                       '"params": {"lr": 1e-3}}} in the config.')], "kmp.wrap arguments")
+    if optimizer is not None and spec is not None:
+        differ = optimizers.differences(spec, optimizer)
+        if differ:
+            warnings.warn(f"kmp.wrap uses the {type(optimizer).__name__} it was given, not the config's optimizer "
+                          f"block ({spec.type}), which differs in: {'; '.join(differ)}.", UserWarning, stacklevel=4)
+    if settings.scheduler is None:
+        return optimizer if optimizer is not None else optimizers.build_optimizer(spec)
+    base_lr = float(spec.params["lr"]) if optimizer is None else _deepspeed_params(optimizer)["lr"]
+    if base_lr is None:
+        check([Problem("optimizer.learning_rate", "a number, when the config has a scheduler block",
+                       "a schedule", "Set the schedule in one place: the config's scheduler block or the "
+                       "optimizer.")], "kmp.wrap arguments")
+    from kmp.lr_schedule import build_schedule
+
+    schedule, momentum = build_schedule(settings.scheduler, base_lr=base_lr)
+    if optimizer is None:
+        optimizer = optimizers.build_optimizer(spec, learning_rate=schedule)
+    else:
+        optimizer = _copy_with(optimizer, learning_rate=schedule)
+    if momentum is not None:
+        _cycle_momentum(optimizer, momentum)
+    return optimizer
 
 
 def _accumulation_steps(settings: Config, replicas: int) -> int | None:
@@ -86,9 +168,9 @@ def _accumulation_steps(settings: Config, replicas: int) -> int | None:
     steps = settings.gradient_accumulation_steps
     if settings.train_batch_size is not None or settings.micro_batch_size is not None:
         _, _, steps = resolve_batch_sizes(settings, world_size=replicas)
-    if steps == 1 and settings.gradient_accumulation_steps is None:
-        return None  # inferred 1: no accumulation machinery
-    return steps
+    # One micro-batch per step is no accumulation, given or inferred: an extra
+    # float32 copy of every parameter would buy nothing.
+    return None if steps == 1 else steps
 
 
 def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config, dict[str, Any]]:
@@ -166,11 +248,34 @@ def _clipping_to_add(optimizer: keras.optimizers.Optimizer, clip: float | None) 
     return clip
 
 
-def _copy_with_clipping(optimizer: keras.optimizers.Optimizer, clip: float) -> keras.optimizers.Optimizer:
-    """A copy of the user's (unbuilt) optimizer with `global_clipnorm=clip`; the original is untouched."""
+def _copy_with(optimizer: keras.optimizers.Optimizer, **changes: Any) -> keras.optimizers.Optimizer:
+    """A copy of the user's (unbuilt) optimizer with `changes`; the original is untouched."""
     if optimizer.built:
+        what = ", ".join(f"{k}={v!r}" if values.is_number(v) else f"{k}=..." for k, v in changes.items())
         check([Problem(
-            "optimizer", "an optimizer not built yet, when the config adds gradient_clipping", "a built optimizer",
-            f"Its state would be lost in a copy: set global_clipnorm={clip} on it yourself.",
+            "optimizer", "an optimizer not built yet, when the config changes it", "a built optimizer",
+            f"Its state would be lost in a copy: set {what} on it yourself.",
         )], "kmp.wrap arguments")
-    return type(optimizer).from_config({**optimizer.get_config(), "global_clipnorm": clip})
+    config = optimizer.get_config()
+    if "learning_rate" in changes:
+        changes["learning_rate"] = keras.optimizers.schedules.serialize(changes["learning_rate"])
+    return type(optimizer).from_config({**config, **changes})
+
+
+def _cycle_momentum(optimizer, momentum) -> None:
+    raise NotImplementedError  # filled in below
+
+
+def _from_namespace(args: argparse.Namespace, precision, strict, total_steps, warmup_steps, overrides):
+    """The values `kmp.add_config_arguments` parsed, under wrap's names; explicit arguments win."""
+    read = vars(args)
+    config = read.get("kmp_config")
+    precision = precision if precision is not None else read.get("precision")
+    strict = strict or bool(read.get("strict_config"))
+    total_steps = total_steps if total_steps is not None else read.get("total_steps")
+    warmup_steps = warmup_steps if warmup_steps is not None else read.get("warmup_steps")
+    overrides = dict(overrides)
+    for name in ("micro_batch_size", "gradient_accumulation_steps"):
+        if read.get(name) is not None:
+            overrides.setdefault(name, read[name])
+    return config, precision, strict, total_steps, warmup_steps, overrides
