@@ -373,8 +373,9 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
         scale["max_scale"] = scale["initial_scale"]
     notes: list[str] = []
     if "optimizer" in raw:
-        top["optimizer"], more = optimizers.parse_optimizer(raw["optimizer"])
+        top["optimizer"], more, optimizer_notes = optimizers.parse_optimizer(raw["optimizer"])
         problems += more
+        notes += optimizer_notes
     if "scheduler" in raw:
         top["scheduler"], more = _scheduler(raw["scheduler"], top.get("optimizer"))
         problems += more

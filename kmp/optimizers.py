@@ -86,11 +86,13 @@ class OptimizerSpec:
         object.__setattr__(self, "params", dict(self.params))
 
 
-def parse_optimizer(block: Any, prefix: str = "optimizer") -> tuple[OptimizerSpec | None, list[Problem]]:
-    """The block as an OptimizerSpec, and every problem found (key paths under `prefix`)."""
+def parse_optimizer(block: Any, prefix: str = "optimizer"
+                    ) -> tuple[OptimizerSpec | None, list[Problem], list[str]]:
+    """(the block as an OptimizerSpec, every problem found (key paths under `prefix`), warnings to give)."""
     if not isinstance(block, Mapping):
-        return None, [Problem(prefix, '{"type": ..., "params": {...}}', block)]
+        return None, [Problem(prefix, '{"type": ..., "params": {...}}', block)], []
     problems: list[Problem] = []
+    notes: list[str] = []
     for key in block:
         if key not in ("type", "params", "legacy_fusion"):
             problems.append(Problem(f"{prefix}.{values.key_name(key)}", "type, params or legacy_fusion", block[key],
@@ -102,18 +104,21 @@ def parse_optimizer(block: Any, prefix: str = "optimizer") -> tuple[OptimizerSpe
         fix = (f"kmp builds {', '.join(built)}; for another, pass a Keras optimizer to kmp.wrap and drop this block."
                if not (isinstance(name, str) and name.lower() in _NOT_BUILT) else
                "kmp does not build mu-P or Muon optimizers: pass a Keras optimizer to kmp.wrap and drop this block.")
-        hint = did_you_mean(name, built) if isinstance(name, str) else ""
+        same_letters = [b for b in built if isinstance(name, str) and b.lower() == name.lower()]
+        hint = (f"Did you mean '{same_letters[0]}'?" if same_letters
+                else did_you_mean(name, built) if isinstance(name, str) else "")
         problems.append(Problem(f"{prefix}.type", "one of " + ", ".join(built), name, f"{hint} {fix}".strip()))
-        return None, problems
+        return None, problems, notes
     params = block.get("params", {})
     if not isinstance(params, Mapping):
-        return None, problems + [Problem(f"{prefix}.params", "a JSON object {...}", params)]
+        return None, problems + [Problem(f"{prefix}.params", "a JSON object {...}", params)], notes
     known = OPTIMIZERS[kind]
     for key, value in params.items():
         path = f"{prefix}.params.{values.key_name(key)}"
         if key == "max_grad_norm":
-            problems.append(Problem(path, "no max_grad_norm in optimizer params", value,
-                                    "DeepSpeed refuses it too: use the top-level gradient_clipping."))
+            # Files from before DeepSpeed 0.3 have it; DeepSpeed now refuses it.
+            notes.append(f"{path}={value!r} is ignored: DeepSpeed refuses it today ('use the deepspeed parameter "
+                         "gradient_clipping'), and so does kmp's clipping: set the top-level gradient_clipping.")
         elif key not in known:
             problems.append(Problem(path, f"a parameter of {name} ({', '.join(sorted(known))})", value,
                                     did_you_mean(str(key), list(known)) or "DeepSpeed passes params to the "
@@ -129,8 +134,8 @@ def parse_optimizer(block: Any, prefix: str = "optimizer") -> tuple[OptimizerSpe
     if kind in ("adam", "adamw") and filled["torch_adam"] and "weight_decay" not in params and _decoupled(kind, filled):
         filled["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which torch_adam selects
     if problems:
-        return None, problems
-    return OptimizerSpec(kind, filled, tuple(k for k in params if k in known)), []
+        return None, problems, notes
+    return OptimizerSpec(kind, filled, tuple(k for k in params if k in known)), [], notes
 
 
 def _check_param(path: str, key: str, value: Any, default: Any, problems: list[Problem]) -> None:
@@ -239,9 +244,13 @@ def differences(spec: OptimizerSpec, optimizer) -> list[str]:
             if key == "learning_rate" and theirs is not None and hasattr(theirs, "numpy"):
                 theirs = float(theirs.numpy())
             if key in own and not _same(mine, theirs):
-                out.append(f"{param}: {mine!r} in the config, {theirs!r} in the optimizer")
+                out.append(f"{param}: {_shown(mine)} in the config, {_shown(theirs)} in the optimizer")
                 break
     return out
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.7g}" if isinstance(value, float) else repr(value)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -256,7 +265,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def check(spec_or_block: Any, prefix: str = "optimizer") -> OptimizerSpec:
     """`parse_optimizer` that raises one ConfigError."""
-    spec, problems = parse_optimizer(spec_or_block, prefix)
+    spec, problems, _ = parse_optimizer(spec_or_block, prefix)
     if problems:
         raise ConfigError(problems, "DeepSpeed optimizer block")
     return spec

@@ -152,6 +152,7 @@ def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
                        "a schedule", "Set the schedule in one place: the config's scheduler block or the "
                        "optimizer.")], "kmp.wrap arguments")
     from kmp.lr_schedule import build_schedule
+    from kmp.momentum import with_momentum_schedule
 
     schedule, momentum = build_schedule(settings.scheduler, base_lr=base_lr)
     if optimizer is None:
@@ -159,7 +160,12 @@ def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
     else:
         optimizer = _copy_with(optimizer, learning_rate=schedule)
     if momentum is not None:
-        _cycle_momentum(optimizer, momentum)
+        cycled = with_momentum_schedule(optimizer, momentum)
+        if cycled is None:
+            warnings.warn(f"The scheduler cycles momentum (cycle_momentum), but {type(optimizer).__name__} has "
+                          "no beta_1 or momentum: only the learning rate follows the schedule.",
+                          UserWarning, stacklevel=4)
+        optimizer = cycled or optimizer
     return optimizer
 
 
@@ -260,10 +266,6 @@ def _copy_with(optimizer: keras.optimizers.Optimizer, **changes: Any) -> keras.o
     if "learning_rate" in changes:
         changes["learning_rate"] = keras.optimizers.schedules.serialize(changes["learning_rate"])
     return type(optimizer).from_config({**config, **changes})
-
-
-def _cycle_momentum(optimizer, momentum) -> None:
-    raise NotImplementedError  # filled in below
 
 
 def _from_namespace(args: argparse.Namespace, precision, strict, total_steps, warmup_steps, overrides):
