@@ -127,22 +127,24 @@ def _steps(name: str, argument: str) -> Callable[[Given, dict], Any]:
     return fill
 
 
-# In the order they are filled: train_batch_size after what it is computed from.
-FILLS: dict[str, Callable[[Given, dict], Any]] = {
-    "fp16.enabled": _precision("fp16"),
-    "bf16.enabled": _precision("bf16"),
-    "optimizer.params.lr": _optimizer_param("lr"),
-    "optimizer.params.betas": _optimizer_param("betas"),
-    "optimizer.params.eps": _optimizer_param("eps"),
-    "optimizer.params.weight_decay": _optimizer_param("weight_decay"),
-    "gradient_clipping": _clipping,
-    "train_micro_batch_size_per_gpu": _micro,
-    "gradient_accumulation_steps": _accumulation,
-    "train_batch_size": _train_batch,
-    "scheduler.params.warmup_min_lr": lambda given, raw: (0, "Hugging Face's default"),
-    "scheduler.params.warmup_max_lr": _warmup_max,
-    "scheduler.params.total_num_steps": _steps("total_steps", "total_steps="),
-    "scheduler.params.warmup_num_steps": _steps("warmup_steps", "warmup_steps="),
+# In the order they are filled (train_batch_size after what it is computed
+# from): key path -> (the fill, where the value comes from, for the docs).
+FILLS: dict[str, tuple[Callable[[Given, dict], Any], str]] = {
+    "fp16.enabled": (_precision("fp16"), "`precision=`, else the active Keras policy"),
+    "bf16.enabled": (_precision("bf16"), "`precision=`, else the active Keras policy"),
+    "optimizer.params.lr": (_optimizer_param("lr"), "the optimizer passed to `kmp.wrap`"),
+    "optimizer.params.betas": (_optimizer_param("betas"), "the optimizer passed to `kmp.wrap` (beta_1, beta_2)"),
+    "optimizer.params.eps": (_optimizer_param("eps"), "the optimizer passed to `kmp.wrap` (epsilon)"),
+    "optimizer.params.weight_decay": (_optimizer_param("weight_decay"), "the optimizer passed to `kmp.wrap`"),
+    "gradient_clipping": (_clipping, "`gradient_clipping=`, else the passed optimizer's global_clipnorm (none: 0)"),
+    "train_micro_batch_size_per_gpu": (_micro, "`micro_batch_size=`"),
+    "gradient_accumulation_steps": (_accumulation, "`gradient_accumulation_steps=`, else inferred from the "
+                                                   "batch sizes, else 1 (Hugging Face's default)"),
+    "train_batch_size": (_train_batch, "`train_batch_size=`, else micro x accumulation x replicas (as Hugging Face)"),
+    "scheduler.params.warmup_min_lr": (lambda given, raw: (0, "Hugging Face's default"), "0 (as Hugging Face)"),
+    "scheduler.params.warmup_max_lr": (_warmup_max, "the optimizer's learning rate (as Hugging Face)"),
+    "scheduler.params.total_num_steps": (_steps("total_steps", "total_steps="), "`total_steps=`"),
+    "scheduler.params.warmup_num_steps": (_steps("warmup_steps", "warmup_steps="), "`warmup_steps=`"),
 }
 
 
@@ -181,7 +183,7 @@ def fill_auto(raw: Mapping[str, Any], given: Given, ignored_blocks: tuple[str, .
         if path not in FILLS and path.split(".")[0] not in ignored_blocks:
             problems.append(Problem(path, "a value ('auto' is filled only where Hugging Face fills it)", AUTO,
                                     "kmp fills 'auto' for: " + ", ".join(FILLS) + ". Write this value."))
-    for path, fill in FILLS.items():
+    for path, (fill, _) in FILLS.items():
         if path not in autos:
             continue
         result = fill(given, out)

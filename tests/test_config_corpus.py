@@ -84,7 +84,7 @@ REFUSED = {
     # torch.optim.SGD takes no betas/eps: DeepSpeed's getattr(torch.optim, "SGD")(**params) fails.
     "dse__resnet__ds_config.json": "optimizer.params.betas",
 }
-FILLS = {"micro_batch_size": 4, "total_steps": 10, "warmup_steps": 2}
+FILLS = {"total_steps": 10, "warmup_steps": 2}
 
 
 def _quiet(make):
@@ -111,7 +111,12 @@ def test_every_training_config_loads_and_trains(record):
     with open(path) as f:
         raw = json.load(f)
     autos = auto_paths(raw)
-    fills = {**FILLS, "precision": "fp16"} if {"fp16.enabled", "bf16.enabled"} & set(autos) else dict(FILLS)
+    fills = dict(FILLS)
+    if "train_micro_batch_size_per_gpu" in autos:
+        fills["micro_batch_size"] = 4  # as HF's per_device_train_batch_size would
+    given = dict(fills)  # what kmp.wrap is given; it reads the precision from the active policy
+    if {"fp16.enabled", "bf16.enabled"} & set(autos):
+        fills["precision"] = "fp16"
     if record["file"] in REFUSED:
         with pytest.raises(kmp.ConfigError) as info:
             _quiet(lambda: kmp.load_config(path, **fills))
@@ -130,7 +135,7 @@ def test_every_training_config_loads_and_trains(record):
     with kmp.precision_scope(config if config.precision != "fp32" else "float32"):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-        optimizer = _quiet(lambda: kmp.wrap(passed, path, **{**FILLS, **overrides}))
+        optimizer = _quiet(lambda: kmp.wrap(passed, path, **given, **overrides))
         model.compile(optimizer=optimizer, loss="mse", steps_per_execution=8)
         _, micro, steps = kmp.resolve_batch_sizes(
             kmp.Config(train_batch_size=config.train_batch_size and config.train_batch_size // world,
