@@ -312,7 +312,11 @@ class Schedule:
         return {"type": self.type, "params": dict(self.params)}
 
     def lr_at(self, step, math=PythonMath):
-        """The lr of the update applied after `step` others (a number of `math`)."""
+        """The lr of the update applied after `step` others.
+
+        `step`: an int with PythonMath (a Python float back), an integer
+        tensor with kmp.lr_schedule.KerasMath (a float32 tensor back).
+        """
         s = self.settings
         last = s["last_batch_iteration"]
         key = _CONSTRUCTOR_LR[self.type]

@@ -85,7 +85,8 @@ def test_one_cycle_momentum_is_deepspeeds(case):
         assert row["beta_2"] == (optimizer["betas"][1] if resumed_first else ONE_CYCLE_BETA_2)
     if "betas" not in optimizer:
         assert case["deepspeed_warnings"] == [
-            "cycle_momentum is disabled because optimizer SGD does not support momentum, no betas attribute in defaults"]
+            "cycle_momentum is disabled because optimizer SGD does not support momentum, "
+            "no betas attribute in defaults"]
 
 
 def test_momentum_is_none_unless_one_cycle_cycles_it():
@@ -177,15 +178,20 @@ def test_model_file_round_trip(tmp_path):
     assert float(loaded.optimizer.learning_rate) == float(lr(6)) == pytest.approx(lr.schedule.lr_at(6), rel=1e-6)
 
 
-def _train_through_overflows(case, flags, strategy=None, jit_compile=True):
-    """Engine steps of a float16 model under kmp.wrap; the applied lr of each step, read off the weight."""
+def _train_through_overflows(case, flags, strategy=None, jit_compile=True, micro_batches=1):
+    """Engine steps of a float16 model under kmp.wrap; the applied lr of each step, read off the weight.
+
+    With `micro_batches` > 1, each engine step is a window of that many
+    micro-batches and the overflowing batch is the window's first.
+    """
     lr, _ = build_schedule({"type": case["type"], "params": case["params"]}, base_lr=case["optimizer"]["lr"])
     scope = strategy.scope() if strategy else kmp.precision_scope("mixed_float16")
     with scope, kmp.precision_scope("mixed_float16"):
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
         # A small initial scale: the float16 gradient of the kernel is the scale itself.
-        optimizer = kmp.wrap(keras.optimizers.SGD(learning_rate=lr), {"fp16": {"enabled": True,
-                                                                             "initial_scale_power": 4}})
+        config = {"fp16": {"enabled": True, "initial_scale_power": 4}}
+        accumulation = {"gradient_accumulation_steps": micro_batches} if micro_batches > 1 else {}
+        optimizer = kmp.wrap(keras.optimizers.SGD(learning_rate=lr), config, **accumulation)
         # A per-sample loss equal to the prediction: the kernel's gradient is the mean input.
         model.compile(optimizer=optimizer, loss=lambda y, p: ops.cast(p, "float32"), jit_compile=jit_compile)
     assert isinstance(optimizer, kmp.LossScaleOptimizer)
@@ -194,20 +200,24 @@ def _train_through_overflows(case, flags, strategy=None, jit_compile=True):
     for overflow in flags:
         # From 0 with a gradient of exactly 1 (unscaled), the new weight is -lr exactly.
         kernel.assign(np.zeros((1, 1), np.float32))
-        x = np.array([[np.inf], [1.0]] if overflow else [[1.0], [1.0]], np.float32)
-        model.train_on_batch(x, np.zeros((2, 1), np.float32))
+        for micro_batch in range(micro_batches):
+            x = np.array([[np.inf], [1.0]] if overflow and micro_batch == 0 else [[1.0], [1.0]], np.float32)
+            model.train_on_batch(x, np.zeros((2, 1), np.float32))
+            if micro_batch < micro_batches - 1:
+                assert float(kernel.numpy()[0, 0]) == 0.0  # the window is open: nothing applied
         used.append(-float(kernel.numpy()[0, 0]))
         iterations.append(int(optimizer.iterations.numpy()))
     return lr, used, iterations, int(optimizer.skipped_steps.numpy())
 
 
 @pytest.mark.filterwarnings("ignore:precision 'mixed_float16' on CPU")
-@pytest.mark.parametrize("name", ["Trace: WarmupDecayLR linear with overflow steps",
-                                  "Trace: WarmupCosineLR log with overflow steps"])
-def test_wrapped_optimizer_uses_deepspeeds_lr_per_applied_step(name):
+@pytest.mark.parametrize("name, micro_batches", [("Trace: WarmupDecayLR linear with overflow steps", 1),
+                                                 ("Trace: WarmupCosineLR log with overflow steps", 1),
+                                                 ("Trace: WarmupDecayLR linear with overflow steps", 3)])
+def test_wrapped_optimizer_uses_deepspeeds_lr_per_applied_step(name, micro_batches):
     case = next(c for c in CASES if c["name"] == name)
     flags = [r["overflow"] for r in case["rows"]]
-    lr, used, iterations, skipped = _train_through_overflows(case, flags)
+    lr, used, iterations, skipped = _train_through_overflows(case, flags, micro_batches=micro_batches)
     assert skipped == sum(flags)
     for row, value, after in zip(case["rows"], used, iterations):
         if row["overflow"]:
@@ -239,7 +249,8 @@ def problems(block, **bases):
 BAD_PARAMS = [
     ("WarmupLR", "warmup_num_steps", 0), ("WarmupLR", "warmup_num_steps", 10.0), ("WarmupLR", "warmup_num_steps", "10"),
     ("WarmupLR", "warmup_num_steps", True), ("WarmupLR", "warmup_type", "cosine"), ("WarmupLR", "warmup_type", None),
-    ("WarmupLR", "warmup_min_lr", -1e-3), ("WarmupLR", "warmup_min_lr", math.nan), ("WarmupLR", "warmup_max_lr", "1e-3"),
+    ("WarmupLR", "warmup_min_lr", -1e-3), ("WarmupLR", "warmup_min_lr", math.nan),
+    ("WarmupLR", "warmup_max_lr", "1e-3"),
     ("WarmupLR", "warmup_max_lr", 1e39), ("WarmupLR", "last_batch_iteration", -2),
     ("WarmupLR", "last_batch_iteration", 1.5),
     ("WarmupDecayLR", "total_num_steps", -1), ("WarmupDecayLR", "total_num_steps", 1e4),
@@ -325,7 +336,9 @@ def test_base_values_are_optional_where_deepspeed_does_not_read_them():
 def test_schedule_is_a_validated_value():
     schedule = Schedule("LRRangeTest", {"lr_range_test_step_size": np.int64(5)}, base_lr=np.float32(0.5))
     assert schedule.params == (("lr_range_test_step_size", 5),) and type(schedule.params[0][1]) is int
-    assert type(schedule.base_lr) is float and hash(schedule) == hash(Schedule("LRRangeTest", (("lr_range_test_step_size", 5),), 0.5))
+    assert type(schedule.base_lr) is float
+    assert schedule == Schedule("LRRangeTest", (("lr_range_test_step_size", 5),), 0.5)
+    assert hash(schedule) == hash(Schedule("LRRangeTest", (("lr_range_test_step_size", 5),), 0.5))
     with pytest.raises(ConfigError, match="scheduler.params.lr_range_test_step_size"):
         Schedule("LRRangeTest", {"lr_range_test_step_size": 0})
     with pytest.raises(ValueError, match="step: expected an integer >= 0"):
