@@ -197,7 +197,7 @@ class Config:
     # blocks as checked specs (kmp.optimizers, kmp.schedules; kmp.wrap builds
     # them), and the ZeRO stage asked for (kmp keeps everything whole).
     optimizer: OptimizerSpec | None = None
-    scheduler: Any = None
+    scheduler: Any = None  # the checked `scheduler` block, a dict
     zero_stage: int = 0
 
     def __post_init__(self) -> None:

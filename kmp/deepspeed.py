@@ -38,7 +38,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp import auto, optimizers
+from kmp import auto, optimizers, schedules
 from kmp.config import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.values import FLOAT32_MAX, INT64_MAX, int_in, is_int, is_number, key_name, plain
@@ -451,11 +451,18 @@ def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     return stage, notes, problems
 
 
-def _scheduler(block: Any, optimizer: Any) -> tuple[Any, list[Problem]]:
-    """The checked `scheduler` block (kmp.schedules), built later against the optimizer's learning rate."""
-    from kmp import schedules
+def _scheduler(block: Any, optimizer: optimizers.OptimizerSpec | None) -> tuple[Any, list[Problem]]:
+    """The checked `scheduler` block, as a dict; kmp.wrap builds it against the optimizer it uses.
 
-    return schedules.parse_scheduler(block, "scheduler")
+    What the schedule reads from the optimizer (its lr, beta_1) is checked
+    here against the config's optimizer block when there is one, else against
+    stand-ins: kmp.wrap checks it again with the real optimizer.
+    """
+    lr = optimizer.params["lr"] if optimizer is not None else 1.0
+    betas = optimizer.params.get("betas") if optimizer is not None else None
+    schedule, problems = attempt(lambda: schedules.parse_scheduler(
+        block, base_lr=lr, base_momentum=betas[0] if betas else 0.9), None)
+    return (None if schedule is None else schedule.block()), problems
 
 
 def _unknown_key_fix(key: str, level: str, known: list[str], spelled: dict[str, str]) -> str:
@@ -493,7 +500,7 @@ def to_deepspeed(config: Config) -> dict[str, Any]:
         params = {k: list(v) if isinstance(v, tuple) else v for k, v in config.optimizer.params.items()}
         out["optimizer"] = {"type": config.optimizer.type, "params": params}
     if config.scheduler is not None:
-        out["scheduler"] = config.scheduler.to_deepspeed()
+        out["scheduler"] = config.scheduler
     if config.zero_stage:
         out["zero_optimization"] = {"stage": config.zero_stage}
     return out

@@ -29,7 +29,7 @@ from kmp.errors import ConfigError, Problem, did_you_mean
 
 _ADAM = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
          "amsgrad": False}
-_ONEBIT = {"freeze_step": 100000, "eps_inside_sqrt": False, "max_grad_norm": 0.0, "cuda_aware": False,
+_ONEBIT = {"freeze_step": 100000, "eps_inside_sqrt": False, "cuda_aware": False,
            "comm_backend_name": "nccl"}
 _LAMB_BOUNDS = {"max_coeff": 10.0, "min_coeff": 0.01}
 
@@ -39,7 +39,7 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "adam": {**_ADAM, "adam_w_mode": True, "torch_adam": False, "set_grad_none": True},
     "adamw": {**_ADAM, "adam_w_mode": True, "torch_adam": False, "set_grad_none": True},
     # deepspeed/ops/lamb/fused_lamb.py FusedLamb
-    "lamb": {**_ADAM, "eps_inside_sqrt": False, "max_grad_norm": 0.0, **_LAMB_BOUNDS},
+    "lamb": {**_ADAM, "eps_inside_sqrt": False, **_LAMB_BOUNDS},
     # deepspeed/ops/lion/fused_lion.py FusedLion (betas default (0.9, 0.999), not Keras's 0.99)
     "lion": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, "set_grad_none": True},
     # torch.optim.Adagrad (torch 2.13)

@@ -42,14 +42,20 @@ def reference() -> str:
             "Params left out take these defaults (DeepSpeed's classes'), not Keras's.", "",
             "| type | Keras optimizer | params and their defaults |", "| --- | --- | --- |"]
     for kind, params in optimizers.OPTIMIZERS.items():
-        name = optimizers.keras_arguments(optimizers.OptimizerSpec(kind, params))[0]
-        base = optimizers.COMPRESSED.get(kind)
-        keras_name = f"{name} (as {base}, no compression)" if base else name
+        decaying = optimizers.OptimizerSpec(kind, {**params, "weight_decay": 0.01})
+        name = optimizers.keras_arguments(decaying)[0]
+        keras_name = f"`keras.optimizers.{name}`"
+        if name == "AdamW":
+            keras_name += " (`Adam` when weight_decay is 0)"
+        if kind in optimizers.COMPRESSED:
+            keras_name += ", without the compressed communication"
         shown = ", ".join(f"`{k}`={_value(v)}" for k, v in params.items())
-        out.append(f"| `{kind}` | `keras.optimizers.{keras_name}` | {shown} |")
+        out.append(f"| `{kind}` | {keras_name} | {shown} |")
     out += ["", "### Scheduler block (`kmp.schedules`)", "", "| type | params and their defaults |", "| --- | --- |"]
-    for kind, params in schedules.reference_table().items():
-        out.append(f"| `{kind}` | " + ", ".join(f"`{k}`={v}" for k, v in params.items()) + " |")
+    for kind, params in schedules.PARAMETERS.items():
+        shown = ", ".join(f"`{k}`" + (" (required)" if v is schedules.REQUIRED else f"={_value(v)}")
+                          for k, v in params.items())
+        out.append(f"| `{kind}` | {shown} |")
     out += ["", "### \"auto\" values (`kmp.auto.FILLS`)", "", "| key | filled from |", "| --- | --- |"]
     for path, (_, source) in auto.FILLS.items():
         out.append(f"| `{path}` | {source} |")

@@ -154,16 +154,18 @@ def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
     from kmp.lr_schedule import build_schedule
     from kmp.momentum import with_momentum_schedule
 
-    schedule, momentum = build_schedule(settings.scheduler, base_lr=base_lr)
+    beta_1 = spec.params.get("betas", (None,))[0] if optimizer is None else getattr(optimizer, "beta_1", None)
+    schedule, momentum = build_schedule(settings.scheduler, base_lr=base_lr,
+                                        base_momentum=beta_1 if values.is_number(beta_1) else None)
     if optimizer is None:
         optimizer = optimizers.build_optimizer(spec, learning_rate=schedule)
     else:
         optimizer = _copy_with(optimizer, learning_rate=schedule)
     if momentum is not None:
         cycled = with_momentum_schedule(optimizer, momentum)
-        if cycled is None:
-            warnings.warn(f"The scheduler cycles momentum (cycle_momentum), but {type(optimizer).__name__} has "
-                          "no beta_1 or momentum: only the learning rate follows the schedule.",
+        if cycled is None:  # as DeepSpeed's OneCycle, which cycles only betas
+            warnings.warn(f"cycle_momentum is disabled because {type(optimizer).__name__} has no betas "
+                          "(DeepSpeed's OneCycle does the same): only the learning rate follows the schedule.",
                           UserWarning, stacklevel=4)
         optimizer = cycled or optimizer
     return optimizer
