@@ -180,14 +180,14 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, *, strict: bool =
     `fills` fill Hugging Face's "auto" values (kmp.auto): `precision`
     ("fp16", "bf16", "fp32"), `micro_batch_size`, `train_batch_size`,
     `gradient_accumulation_steps`, `replicas`, `total_steps`,
-    `warmup_steps`, `gradient_clipping`. `kmp.wrap` fills them from its
-    optimizer, strategy and arguments.
+    `warmup_steps`, `gradient_clipping`, `learning_rate`, `weight_decay`.
+    `kmp.wrap` fills them from its optimizer, strategy and arguments.
     """
     return read_config(source, strict=strict, given=given_of(fills), stacklevel=3)
 
 
 _FILL_NAMES = ("precision", "micro_batch_size", "train_batch_size", "gradient_accumulation_steps", "replicas",
-               "total_steps", "warmup_steps", "gradient_clipping")
+               "total_steps", "warmup_steps", "gradient_clipping", "learning_rate", "weight_decay")
 
 
 def given_of(fills: Mapping[str, Any]) -> auto.Given:
@@ -200,14 +200,18 @@ def given_of(fills: Mapping[str, Any]) -> auto.Given:
         if name == "precision":
             if value not in ("fp32", "fp16", "bf16"):
                 problems.append(Problem(name, "'fp32', 'fp16' or 'bf16'", value))
-        elif name == "gradient_clipping":
+        elif name in ("gradient_clipping", "learning_rate", "weight_decay"):
             if not (is_number(value) and value >= 0):
-                problems.append(Problem(name, "a number >= 0 (0: none)", value))
+                problems.append(Problem(name, "a number >= 0", value))
         else:
             int_in(name, value, 0 if name == "warmup_steps" else 1, problems)
     check(problems, "kmp.load_config arguments")
     fills = {k: plain(v) for k, v in fills.items()}
-    return auto.Given(world_size=fills.pop("replicas", None), **fills)
+    # As Hugging Face's learning_rate / weight_decay arguments: they fill the optimizer block's "auto".
+    params = {"lr": fills.pop("learning_rate", None), "weight_decay": fills.pop("weight_decay", None)}
+    optimizer = {k: v for k, v in params.items() if v is not None} or None
+    return auto.Given(world_size=fills.pop("replicas", None), optimizer=optimizer,
+                      optimizer_source="learning_rate= / weight_decay=", **fills)
 
 
 def read_config(source: Any, *, strict: bool = False, given: auto.Given = auto.Given(), stacklevel: int = 2
