@@ -534,3 +534,21 @@ def test_values_float32_or_int64_cannot_hold_are_errors_with_their_key(raw, path
 def test_json_text_that_is_not_an_object_is_not_taken_for_a_path():
     with pytest.raises(ConfigError, match=r"\(top level\): expected a JSON object"):
         load_config("[1, 2, 3]")
+
+
+@pytest.mark.parametrize("spelled", ["FP16", "Fp16", "fp16"])
+def test_communication_data_type_is_case_insensitive_as_deepspeed_lower_cases_it(spelled):
+    assert load_config({"communication_data_type": spelled}).communication_data_type == "float16"
+
+
+def test_zero_optimization_stages_load_with_what_kmp_does_instead():
+    assert load_config({"zero_optimization": {"stage": 0}}).zero_stage == 0
+    for stage in (1, 2, 3):
+        with pytest.warns(UserWarning, match=f"zero_optimization.stage is {stage}") as record:
+            assert load_config({"zero_optimization": {"stage": stage}}).zero_stage == stage
+        assert "memory saved is not" in str(record[0].message)
+    with pytest.warns(UserWarning, match="kmp does not offload"):
+        load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert _problems({"zero_optimization": {"stage": 4}}).problems[0].path == "zero_optimization.stage"
+    with pytest.warns(UserWarning, match="stage is 1"):  # DeepSpeed's legacy boolean form
+        assert load_config({"zero_optimization": True}).zero_stage == 1

@@ -389,3 +389,19 @@ def test_float32_output_default_is_a_cast_only():
     assert logits.dtype == "bfloat16"
     assert out.dtype == "float32"
     np.testing.assert_array_equal(np.asarray(out), np.asarray(keras.ops.cast(logits, "float32")))
+
+
+def test_set_precision_takes_what_load_config_takes(tmp_path):
+    # A path, JSON text, a dict: the fp16/bf16 blocks decide (the README says set_precision takes a config).
+    path = tmp_path / "ds.json"
+    path.write_text('{"bf16": {"enabled": true}}')
+    previous = keras.config.dtype_policy()
+    try:
+        assert kmp.set_precision(str(path)).compute_dtype == "bfloat16"
+        assert kmp.set_precision(path).compute_dtype == "bfloat16"  # os.PathLike
+        assert kmp.set_precision('{"fp16": {"enabled": true}}').compute_dtype == "float16"
+        assert keras.config.dtype_policy().name == "mixed_float16"
+        with pytest.raises(kmp.ConfigError, match="an existing JSON file"):
+            kmp.set_precision(str(tmp_path / "missing.json"))
+    finally:
+        keras.config.set_dtype_policy(previous)
