@@ -186,7 +186,6 @@ def _speed(precision: str, hardware, flags: dict[str, Any]) -> dict[str, str]:
 
 def _devices(tf, flags: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    logical = tf.config.list_logical_devices()
     for device in tf.config.list_physical_devices():
         kind = device.device_type.lower()
         if kind not in ("cpu", "gpu", "tpu"):
@@ -198,7 +197,6 @@ def _devices(tf, flags: dict[str, Any]) -> list[dict[str, Any]]:
             "name": device.name,
             "type": device.device_type,
             "details": {k: (list(v) if isinstance(v, tuple) else v) for k, v in details.items()},
-            "logical": [d.name for d in logical if d.device_type == device.device_type],
             "mixed_float16": _speed("mixed_float16", hardware, flags),
             "mixed_bfloat16": _speed("mixed_bfloat16", hardware, flags),
         })
@@ -262,13 +260,14 @@ def _features(report: dict[str, Any], tf) -> list[dict[str, Any]]:
         if xla["works"] else f"{xla['error']}: use fused=False and prepare(model, jit_compile=False)")})
     gpus = len(tf.config.list_logical_devices("GPU"))
     cpus = len(tf.config.list_logical_devices("CPU"))
+    split = ("tf.config.set_logical_device_configuration splits it before TensorFlow starts "
+             "(replicas for tests, not speed)")
     if gpus > 1:
         mirrored = f"over {gpus} GPUs; resolve_strategy('auto') picks it"
-    elif cpus > 1:
+    elif cpus > 1 and not gpus:
         mirrored = f"over {cpus} logical CPU devices (they share the CPU's cores: for tests, not speed)"
     else:
-        mirrored = ("one device here: split it into logical devices before TensorFlow starts, as "
-                    "tests/conftest.py does (for tests, not speed)")
+        mirrored = f"one {'GPU' if gpus else 'CPU device'} here: one replica; {split}"
     rows.append({"feature": "MirroredStrategy", "runs": True, "note": mirrored})
     ports = free_local_ports(2)
     if os.environ.get("TF_CONFIG"):
@@ -294,7 +293,7 @@ def collect(xla_timeout: float = 60.0) -> dict[str, Any]:
         "pins_from": source,
         "packages": packages,
         "cpu": cpu_flags(),
-        "devices": [], "xla": None, "auto_precision": None, "features": [],
+        "devices": [], "logical_devices": [], "xla": None, "auto_precision": None, "features": [],
         "tensorflow_error": None,
         "tensorflow_log": [],
     }
@@ -308,6 +307,9 @@ def collect(xla_timeout: float = 60.0) -> dict[str, Any]:
 
                 absl_logging.set_verbosity(absl_logging.ERROR)
             report["devices"] = _devices(tf, report["cpu"]["flags"])
+            # Not matched to physical devices: TensorFlow does not say which
+            # physical device a logical one (a split of a GPU or CPU) lives on.
+            report["logical_devices"] = [d.name for d in tf.config.list_logical_devices()]
             report["xla"] = _xla(tf, xla_timeout)
             report["auto_precision"] = _auto()
             report["features"] = _features(report, tf)
@@ -345,12 +347,12 @@ def render(report: dict[str, Any]) -> str:
         out += [f"  | {line}" for line in report["tensorflow_log"][-20:]]
         return "\n".join(out) + "\n"
     out += ["", "Devices"]
-    out += _table([["physical", "logical", "mixed_float16", "mixed_bfloat16"]] + [
-        [d["name"], ", ".join(d["logical"]) or "-", d["mixed_float16"]["status"], d["mixed_bfloat16"]["status"]]
-        for d in report["devices"]])
+    out += _table([["physical", "mixed_float16", "mixed_bfloat16"]] + [
+        [d["name"], d["mixed_float16"]["status"], d["mixed_bfloat16"]["status"]] for d in report["devices"]])
     for d in report["devices"]:
         if d["details"]:
             out.append(f"  {d['name']}: " + ", ".join(f"{k} {v}" for k, v in d["details"].items()))
+    out.append(f"  logical: {', '.join(report['logical_devices']) or '-'}")
     xla, auto = report["xla"], report["auto_precision"]
     out += ["", "XLA: " + (f"works (compiled and ran in {xla['seconds']:.2f} s)" if xla["works"]
                            else f"does not work: {xla['error']}")]

@@ -261,8 +261,8 @@ def test_env_json():
     done = run_kmp("env", "--json")
     assert done.returncode == 0 and done.stderr == ""
     report = json.loads(done.stdout)
-    assert {"kmp", "python", "pins_from", "packages", "cpu", "devices", "xla", "auto_precision", "features",
-            "tensorflow_error", "tensorflow_log"} <= report.keys()
+    assert {"kmp", "python", "pins_from", "packages", "cpu", "devices", "logical_devices", "xla", "auto_precision",
+            "features", "tensorflow_error", "tensorflow_log"} <= report.keys()
     assert report["kmp"] == {"version": kmp.__version__, "location": str(ROOT / "kmp")}
     assert [(r["name"], r["installed"], r["status"]) for r in report["packages"]] == [
         ("python", platform.python_version(), "OK"),
@@ -272,7 +272,8 @@ def test_env_json():
     # A fresh process sees one logical device per physical one (no conftest split there).
     physical = tf.config.list_physical_devices("CPU")
     cpus = [d for d in report["devices"] if d["type"] == "CPU"]
-    assert [d["name"] for d in cpus] == [d.name for d in physical] and all(d["logical"] for d in cpus)
+    assert [d["name"] for d in cpus] == [d.name for d in physical]
+    assert [name for name in report["logical_devices"] if ":CPU:" in name] == ["/device:CPU:0"]
     assert report["xla"]["works"] is True
     assert report["auto_precision"]["precision"] == str(kmp.resolve_precision("auto"))
     assert report["auto_precision"]["why"]
