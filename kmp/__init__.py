@@ -2,50 +2,92 @@
 
     kmp.set_precision("mixed_float16")
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
+
+The public names are imported when first used (PEP 562), so `import kmp`
+costs milliseconds and imports no TensorFlow: `kmp --help`, `kmp --version`
+and reading a config (`kmp.load_config`) stay fast and quiet. The first
+`kmp.wrap`, `kmp.callbacks`, ... imports TensorFlow and Keras as before.
 """
 
-from kmp import callbacks, distribute
-from kmp.config import Communication, Config, LossScaleConfig
-from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
-from kmp.backup import BackupError
-from kmp.errors import ConfigError, KmpError, LossScaleError
-from kmp.optimizer import LossScaleOptimizer
-from kmp.precision import (
-    Hardware,
-    Precision,
-    check_hardware,
-    float32_output,
-    precision_scope,
-    resolve_precision,
-    set_precision,
-)
-from kmp.distribute import prepare, resolve_strategy
-from kmp.wrap import wrap
+import importlib
+import importlib.util
+import sys
+import types
 
+# The one place the version is written: setup.cfg reads it (`attr: kmp.__version__`).
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackupError",
-    "Communication",
-    "Config",
-    "ConfigError",
-    "Hardware",
-    "KmpError",
-    "LossScaleConfig",
-    "LossScaleError",
-    "LossScaleOptimizer",
-    "Precision",
-    "callbacks",
-    "distribute",
-    "check_hardware",
-    "float32_output",
-    "load_config",
-    "precision_scope",
-    "prepare",
-    "resolve_batch_sizes",
-    "resolve_precision",
-    "resolve_strategy",
-    "set_precision",
-    "to_deepspeed",
-    "wrap",
-]
+# Public name -> the module that defines it. `callbacks` and `distribute` are
+# the subpackages themselves.
+_HOMES = {
+    "BackupError": "kmp.backup",
+    "Communication": "kmp.config",
+    "Config": "kmp.config",
+    "ConfigError": "kmp.errors",
+    "Hardware": "kmp.precision",
+    "KmpError": "kmp.errors",
+    "LossScaleConfig": "kmp.config",
+    "LossScaleError": "kmp.errors",
+    "LossScaleOptimizer": "kmp.optimizer",
+    "Precision": "kmp.precision",
+    "callbacks": None,
+    "distribute": None,
+    "check_hardware": "kmp.precision",
+    "float32_output": "kmp.precision",
+    "load_config": "kmp.deepspeed",
+    "precision_scope": "kmp.precision",
+    "prepare": "kmp.distribute",
+    "resolve_batch_sizes": "kmp.deepspeed",
+    "resolve_precision": "kmp.precision",
+    "resolve_strategy": "kmp.distribute",
+    "set_precision": "kmp.precision",
+    "to_deepspeed": "kmp.deepspeed",
+    "wrap": "kmp.wrap",
+}
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        home = _HOMES[name]
+        module = importlib.import_module(f"kmp.{name}" if home is None else home)
+        value = module if home is None else getattr(module, name)
+    elif importlib.util.find_spec(f"kmp.{name}") is not None:
+        # A private module reached as an attribute (`kmp.seams`), as after
+        # the eager import this package used to do.
+        value = importlib.import_module(f"kmp.{name}")
+    else:
+        raise AttributeError(f"module 'kmp' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The module type of `kmp`: keeps `kmp.wrap` the function.
+
+    The function `wrap` shares its name with its module, kmp/wrap.py, and
+    the import system sets each submodule as an attribute of its package
+    when the submodule is first imported. The eager import used to rebind
+    the name to the function right after; a lazy one cannot, so that
+    assignment is dropped here and `kmp.wrap` is looked up by `__getattr__`.
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "wrap" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+# Keras finds kmp's optimizer in a .keras file only once kmp.optimizer has
+# registered it (Keras imports no outside module while loading). With Keras
+# and TensorFlow already imported (`import keras, kmp`) that costs ~50 ms and
+# no new TensorFlow import, so register now, as the eager import used to.
+if "keras" in sys.modules and "tensorflow" in sys.modules:
+    importlib.import_module("kmp.optimizer")

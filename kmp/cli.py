@@ -1,4 +1,13 @@
-"""The `kmp` command. `kmp demo` trains a small model in mixed precision.
+"""The `kmp` command: the parser, and one small function per subcommand.
+
+    kmp --version     kmp's version and the TensorFlow/Keras it runs on (no TensorFlow import)
+    kmp env           versions against kmp's pins, devices, fp16/bf16/XLA, features (kmp/env.py)
+    kmp demo          train a small model in mixed precision on the bundled digits data
+
+Only the subcommand that runs imports what it needs, so `kmp --help` and
+`kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
+function that adds its parser and sets `run=` to the function that does the
+work; `main` dispatches.
 
 The demo uses the digits data shipped with kmp (no network), so a fresh
 install can check in a minute that mixed precision, loss scaling and the
@@ -8,6 +17,7 @@ monitor work on this machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -52,9 +62,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kmp", description="Mixed-precision training for Keras 3 on TensorFlow.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _env(args: argparse.Namespace) -> int:
+    from kmp import env
+
+    report = env.collect(xla_timeout=args.xla_timeout)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        sys.stdout.write(env.render(report))
+    return env.exit_code(report)
+
+
+def _add_demo(commands) -> None:
     demo = commands.add_parser("demo", help="train a small model on the bundled digits data")
     demo.add_argument("--precision", help="e.g. mixed_float16 (default), mixed_bfloat16, float32, 16-mixed, auto")
     demo.add_argument("--config", help="a DeepSpeed-style JSON file (fp16/bf16 block, clipping, ...)")
@@ -63,11 +82,48 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--learning-rate", type=float, default=2e-3)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--verbose", action="store_true", help="print one line per epoch")
+    demo.set_defaults(run=_demo)
+
+
+def _add_env(commands) -> None:
+    env = commands.add_parser(
+        "env", help="versions, devices, fp16/bf16 and XLA support, and which kmp features run here",
+        description="Report what kmp finds on this machine. Exit status 1 when a pinned dependency "
+                    "is missing or outside kmp's pins, else 0.")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.add_argument("--xla-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="give up on the XLA check after this long (default 60)")
+    env.set_defaults(run=_env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kmp", description="Mixed-precision training for Keras 3 on TensorFlow.")
+    # Not argparse's version action, which prints and exits inside
+    # parse_args: main() prints it, so tests/test_docs.py can parse (without
+    # running) `kmp --version` in the docs as it parses every other command.
+    parser.add_argument("--version", action="store_true", help="print kmp's version and TensorFlow's and Keras's")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(commands)
+    _add_env(commands)
+    # Command groups (e.g. `kmp config check FILE`) add a subparser with
+    # their own add_subparsers here, each leaf with its own set_defaults(run=...).
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version:
+        from kmp.env import version_line
+
+        print(version_line())
+        return 0
+    if args.command is None:
+        parser.error("a command is required (or --version)")
     from kmp.errors import KmpError
 
     try:
-        return _demo(args)
+        return args.run(args)
     except KmpError as error:  # our errors already say what to fix: no traceback
         print(f"kmp: {error}", file=sys.stderr)
         return 2

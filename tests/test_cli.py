@@ -1,0 +1,307 @@
+"""The `kmp` command (kmp/cli.py, kmp/env.py) and the lazy `import kmp`.
+
+Commands run as a user runs them, in a fresh process from this source tree,
+without TF_CPP_MIN_LOG_LEVEL: "quiet" means the command itself keeps
+TensorFlow's start-up lines off stderr.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import env
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("tensorflow", "keras")
+FEATURES = ["mixed_float16", "mixed_bfloat16", "XLA", "MirroredStrategy", "MultiWorkerMirroredStrategy", "TPUStrategy"]
+
+
+def _environ() -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_CONFIG")}
+    environ["PYTHONPATH"] = str(ROOT)
+    return environ
+
+
+def run_kmp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kmp.cli", *args], cwd=ROOT, env=_environ(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_python(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Runs `code` in a fresh process; returns it and which of HEAVY it left in sys.modules."""
+    out = tmp_path / "modules.json"
+    script = (
+        "import json, sys\n"
+        "try:\n" + "".join(f"    {line}\n" for line in code.splitlines()) +
+        "except SystemExit:\n    pass\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        f"open({str(out)!r}, 'w').write(json.dumps(heavy))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_environ(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(out.read_text())
+
+
+# --- import kmp: lazy, and every public name as before -----------------------------
+
+
+def test_import_and_load_config_leave_tensorflow_out(tmp_path):
+    done, heavy = run_python(
+        "import kmp\n"
+        "from kmp import ConfigError, load_config\n"
+        "config = kmp.load_config({'fp16': {'enabled': True, 'hysteresis': 3}, 'gradient_clipping': 1.0})\n"
+        "assert config.loss_scale.hysteresis == 3 and config.gradient_clipping == 1.0, config\n"
+        "try:\n    load_config({'fp16': {'enabled': 'yes'}})\n"
+        "except ConfigError:\n    print('refused')\n",
+        tmp_path)
+    assert heavy == [] and done.stderr == ""
+    assert done.stdout == "refused\n"
+
+
+def test_pure_modules_import_without_tensorflow(tmp_path):
+    done, heavy = run_python("import kmp.errors, kmp.values, kmp.config, kmp.deepspeed, kmp.loss_scale, kmp.env",
+                             tmp_path)
+    assert heavy == [] and done.stderr == ""
+
+
+def test_every_public_name_is_its_modules_object():
+    homes = {"callbacks": "kmp.callbacks", "distribute": "kmp.distribute"}
+    for name in kmp.__all__:
+        value = getattr(kmp, name)
+        if name in homes:
+            assert value is importlib.import_module(homes[name])
+        else:
+            assert not isinstance(value, types.ModuleType), name
+            assert value is getattr(importlib.import_module(value.__module__), name), name
+    namespace: dict = {}
+    exec("from kmp import *", namespace)
+    assert set(kmp.__all__) <= namespace.keys()
+    assert set(kmp.__all__) <= set(dir(kmp))
+    assert kmp.seams is importlib.import_module("kmp.seams")  # private modules still reachable as attributes
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        kmp.no_such_name
+
+
+def test_wrap_stays_the_function_when_its_module_is_imported_first(tmp_path):
+    done, heavy = run_python(
+        "import kmp.wrap\nimport kmp\n"
+        "import types\nassert not isinstance(kmp.wrap, types.ModuleType)\n"
+        "assert kmp.wrap is sys.modules['kmp.wrap'].wrap\nprint(kmp.wrap.__name__)\n",
+        tmp_path)
+    assert done.stdout == "wrap\n"
+
+
+def test_keras_then_kmp_loads_a_keras_file_with_kmps_optimizer(tmp_path):
+    """`import keras, kmp` registers kmp's optimizer with Keras, as the eager import did."""
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    model.save(tmp_path / "model.keras")
+    done, _ = run_python(
+        "import keras, kmp\n"
+        f"print(type(keras.saving.load_model({str(tmp_path / 'model.keras')!r}).optimizer).__name__)\n",
+        tmp_path)
+    assert done.stdout == "LossScaleOptimizer\n"
+
+
+def test_the_version_has_one_source():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["metadata"]["version"] == "attr: kmp.__version__"
+    setupcfg = pytest.importorskip("setuptools.config.setupcfg")
+    assert setupcfg.read_configuration(ROOT / "setup.cfg")["metadata"]["version"] == kmp.__version__
+
+
+# --- kmp --help, kmp --version -------------------------------------------------------
+
+
+def test_help_is_quick_and_quiet(tmp_path):
+    done, heavy = run_python("from kmp.cli import main\nmain(['--help'])", tmp_path)
+    assert heavy == [] and done.stderr == ""
+    assert re.search(r"^\s+env\s", done.stdout, re.M) and re.search(r"^\s+demo\s", done.stdout, re.M)
+
+
+def test_version(tmp_path):
+    done, heavy = run_python("from kmp.cli import main\nsys.exit(main(['--version']))", tmp_path)
+    assert heavy == [] and done.stderr == ""
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in HEAVY)
+    assert done.stdout == (f"kmp {kmp.__version__} from {ROOT / 'kmp'} "
+                           f"(python {platform.python_version()}, {versions})\n")
+
+
+def test_no_command_is_a_usage_error():
+    done = run_kmp()
+    assert done.returncode == 2 and "a command is required" in done.stderr
+
+
+# --- pins ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("installed, specifier, status", [
+    ("2.21.0", "<2.22,>=2.21", "OK"),
+    ("2.21.7", "<2.22,>=2.21", "OK"),
+    ("2.22.0", "<2.22,>=2.21", "MISMATCH"),
+    ("2.20.1", "<2.22,>=2.21", "MISMATCH"),
+    ("2.21.0rc1", "<2.22,>=2.21", "MISMATCH"),  # a release candidate comes before 2.21
+    ("3.15.1", ">=3.15,<3.16", "OK"),
+    ("3.16.0.dev1", ">=3.15,<3.16", "MISMATCH"),
+    ("not a version", ">=4.9", "MISMATCH"),
+    (None, ">=4.9", "MISSING"),
+])
+def test_check_pin(installed, specifier, status):
+    assert env.check_pin(installed, specifier) == status
+
+
+def test_pins_come_from_setup_cfg_in_a_source_tree():
+    pins, source = env.pins()
+    assert source == "setup.cfg"
+    assert set(pins) == {"python", *env.PACKAGES}  # the test extras are not pins
+    for name, specifier in pins.items():  # this machine is set up as the pins say
+        installed = platform.python_version() if name == "python" else importlib.metadata.version(name)
+        assert env.check_pin(installed, specifier) == "OK", (name, installed, specifier)
+
+
+def test_a_version_outside_the_pins_fails_the_report(monkeypatch):
+    real = env.installed_version
+    fake = {"tensorflow": "2.22.0", "keras": None}
+    monkeypatch.setattr(env, "installed_version", lambda name: fake[name] if name in fake else real(name))
+    rows, _ = env.versions()
+    status = {row["name"]: row["status"] for row in rows}
+    assert status == {"python": "OK", "tensorflow": "MISMATCH", "keras": "MISSING", "tensorflow-datasets": "OK"}
+    assert env.exit_code({"packages": rows}) == 1
+    monkeypatch.setattr(env, "installed_version", real)
+    assert env.exit_code({"packages": env.versions()[0]}) == 0
+
+
+# --- the parts of the report -----------------------------------------------------------
+
+
+def test_cpu_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n\n")
+    assert env.cpu_flags(cpuinfo) == {
+        "model": "Test CPU", "source": str(cpuinfo),
+        "flags": {"avx512_bf16": True, "avx512_fp16": False, "amx_bf16": False, "amx_fp16": False},
+    }
+    assert set(env.cpu_flags(tmp_path / "missing")["flags"].values()) == {None}
+
+
+@pytest.mark.parametrize("precision, hardware, flags, status", [
+    ("mixed_float16", kmp.Hardware("cpu"), {}, "slow"),
+    ("mixed_bfloat16", kmp.Hardware("cpu"), {"avx512_bf16": True, "amx_bf16": False}, "fast"),
+    ("mixed_bfloat16", kmp.Hardware("cpu"), {"avx512_bf16": False, "amx_bf16": True}, "fast"),
+    ("mixed_bfloat16", kmp.Hardware("cpu"), {"avx512_bf16": False, "amx_bf16": False}, "slow"),
+    ("mixed_bfloat16", kmp.Hardware("cpu"), {"avx512_bf16": None, "amx_bf16": None}, "unknown"),
+    ("mixed_float16", kmp.Hardware("gpu", (7, 0)), {}, "fast"),
+    ("mixed_bfloat16", kmp.Hardware("gpu", (7, 5)), {}, "slow"),
+    ("mixed_bfloat16", kmp.Hardware("gpu", (8, 0)), {}, "fast"),
+    ("mixed_float16", kmp.Hardware("gpu", (6, 1)), {}, "slow"),
+    ("mixed_float16", kmp.Hardware("gpu"), {}, "unknown"),
+    ("mixed_float16", kmp.Hardware("tpu"), {}, "slow"),
+    ("mixed_bfloat16", kmp.Hardware("tpu"), {}, "fast"),
+])
+def test_speed_is_check_hardwares_verdict(precision, hardware, flags, status):
+    speed = env._speed(precision, hardware, flags)
+    assert speed["status"] == status
+    if status == "slow" and hardware.kind != "cpu" or precision == "mixed_float16" and hardware.kind == "cpu":
+        with pytest.warns(UserWarning) as warned:
+            kmp.check_hardware(precision, hardware)
+        assert speed["note"].startswith(str(warned[0].message).split(": ", 1)[1])
+
+
+def test_float16_note_names_avx512_fp16_when_the_cpu_has_it():
+    assert "AVX512_FP16" in env._speed("mixed_float16", kmp.Hardware("cpu"), {"avx512_fp16": True})["note"]
+    assert "AVX512_FP16" not in env._speed("mixed_float16", kmp.Hardware("cpu"), {"avx512_fp16": False})["note"]
+
+
+def test_xla_check_is_time_bounded():
+    works = env._xla(tf, 120)
+    assert works["works"] is True and works["error"] is None and 0 < works["seconds"] < 120
+    gave_up = env._xla(tf, 0)  # no compile finishes in no time
+    assert not gave_up["works"] and gave_up["error"] == "no result within 0 s"
+
+
+def test_free_local_ports():
+    ports = env.free_local_ports(2)
+    assert len(set(ports)) == 2 and all(0 < p < 65536 for p in ports)
+
+
+def test_a_broken_tensorflow_is_reported_not_raised():
+    report = {"kmp": {"version": "0", "location": "x"}, "python": {"executable": "python"}, "pins_from": "setup.cfg",
+              "packages": [{"name": "tensorflow", "installed": None, "required": ">=2.21", "status": "MISSING"}],
+              "cpu": env.cpu_flags("/nonexistent"), "tensorflow_error": "ImportError: no tensorflow",
+              "tensorflow_log": ["a line TensorFlow wrote"]}
+    text = env.render(report)
+    assert "TensorFlow failed: ImportError: no tensorflow" in text and "| a line TensorFlow wrote" in text
+    assert env.exit_code(report) == 1
+
+
+# --- kmp env, whole ----------------------------------------------------------------------
+
+
+def test_env_json():
+    done = run_kmp("env", "--json")
+    assert done.returncode == 0 and done.stderr == ""
+    report = json.loads(done.stdout)
+    assert {"kmp", "python", "pins_from", "packages", "cpu", "devices", "logical_devices", "xla", "auto_precision",
+            "features", "tensorflow_error", "tensorflow_log"} <= report.keys()
+    assert report["kmp"] == {"version": kmp.__version__, "location": str(ROOT / "kmp")}
+    assert [(r["name"], r["installed"], r["status"]) for r in report["packages"]] == [
+        ("python", platform.python_version(), "OK"),
+        *((name, importlib.metadata.version(name), "OK") for name in env.PACKAGES)]
+    assert report["tensorflow_error"] is None
+    assert report["cpu"] == env.cpu_flags()
+    # A fresh process sees one logical device per physical one (no conftest split there).
+    physical = tf.config.list_physical_devices("CPU")
+    cpus = [d for d in report["devices"] if d["type"] == "CPU"]
+    assert [d["name"] for d in cpus] == [d.name for d in physical]
+    assert [name for name in report["logical_devices"] if ":CPU:" in name] == ["/device:CPU:0"]
+    assert report["xla"]["works"] is True
+    assert report["auto_precision"]["precision"] == str(kmp.resolve_precision("auto"))
+    assert report["auto_precision"]["why"]
+    assert [f["feature"] for f in report["features"]] == FEATURES
+    assert report["features"][2]["runs"] is True  # XLA, as report["xla"] says
+
+
+def test_env_text():
+    done = run_kmp("env")
+    assert done.returncode == 0 and done.stderr == ""
+    text = done.stdout
+    for name in ("python", *env.PACKAGES):
+        assert re.search(rf"^  {re.escape(name)}\s+\S+\s+\S+\s+OK$", text, re.M), name
+    assert re.search(r"^XLA: works \(compiled and ran in [\d.]+ s\)$", text, re.M)
+    assert f"precision='auto': {kmp.resolve_precision('auto')} (" in text
+    for feature in FEATURES:
+        assert re.search(rf"^  {feature}\s+(runs|no)\s+\S", text, re.M), feature
+
+
+# --- kmp demo --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_trains():
+    done = run_kmp("demo", "--epochs", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("kmp demo: mixed_float16 on ") and "optimizer LossScaleOptimizer" in lines[0]
+    values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in lines[1:])
+    assert float(values["test accuracy"]) > 0.5  # one epoch; 10 classes: chance is 0.1
+    assert float(values["loss scale"]) >= 1
