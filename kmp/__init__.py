@@ -30,6 +30,7 @@ _HOMES = {
     "LossScaleError": "kmp.errors",
     "LossScaleOptimizer": "kmp.optimizer",
     "Precision": "kmp.precision",
+    "add_config_arguments": "kmp.arguments",
     "callbacks": None,
     "distribute": None,
     "check_hardware": "kmp.precision",
@@ -85,9 +86,41 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-# Keras finds kmp's optimizer in a .keras file only once kmp.optimizer has
-# registered it (Keras imports no outside module while loading). With Keras
-# and TensorFlow already imported (`import keras, kmp`) that costs ~50 ms and
-# no new TensorFlow import, so register now, as the eager import used to.
-if "keras" in sys.modules and "tensorflow" in sys.modules:
-    importlib.import_module("kmp.optimizer")
+# Keras finds kmp's classes in a .keras file only once their modules have
+# registered them (Keras imports no outside module while loading). Those
+# modules import Keras, so they are imported as soon as Keras is: now, if it
+# already is (`import keras, kmp`), else right after `import keras` runs, by a
+# one-shot import hook. `kmp --help` and `kmp config check` import neither.
+_REGISTERING = ("kmp.optimizer", "kmp.momentum", "kmp.lr_schedule")
+
+
+def _register_with_keras() -> None:
+    for module in _REGISTERING:
+        importlib.import_module(module)
+
+
+class _AfterKeras:
+    """A meta path finder: lets `keras` load as usual, then imports kmp's registering modules, once."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "keras":
+            return None
+        sys.meta_path.remove(cls)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _register_with_keras()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "keras" in sys.modules:
+    _register_with_keras()
+else:
+    sys.meta_path.insert(0, _AfterKeras)

@@ -3,6 +3,7 @@
     kmp --version     kmp's version and the TensorFlow/Keras it runs on (no TensorFlow import)
     kmp env           versions against kmp's pins, devices, fp16/bf16/XLA, features (kmp/env.py)
     kmp demo          train a small model in mixed precision on the bundled digits data
+    kmp config check  what a DeepSpeed-style config resolves to, as a table; exit 0/1 (kmp/config_check.py)
 
 Only the subcommand that runs imports what it needs, so `kmp --help` and
 `kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
@@ -31,9 +32,22 @@ def _demo(args: argparse.Namespace) -> int:
     from kmp.callbacks import LossScaleMonitor
     from kmp.datasets import load_digits
 
-    config = kmp.load_config(args.config) if args.config else None
-    precision = args.precision or (None if config and config.precision != "fp32" else "mixed_float16")
     (x, y), (x_test, y_test) = load_digits(seed=args.seed)
+    batch_size = args.batch_size
+    # A config's "auto" values are filled from the demo's own settings, as HF's Trainer does from its arguments.
+    steps = args.epochs * -(-len(x) // batch_size)
+    fills = {"micro_batch_size": batch_size, "total_steps": steps, "warmup_steps": steps // 10,
+             "learning_rate": args.learning_rate, "weight_decay": 0.0, "gradient_clipping": 0}
+    config = None
+    if args.config:
+        precision_fill = {"precision": "fp16"} if args.precision is None else {}
+        config = kmp.load_config(args.config, **precision_fill, **fills)
+        if config.train_batch_size or config.micro_batch_size:
+            # The file's micro-batch, as DeepSpeed feeds it (one replica here).
+            _, micro, accumulation = kmp.resolve_batch_sizes(config, world_size=1)
+            batch_size = micro
+            print(f"kmp demo: the config's micro-batch {micro}, {accumulation} per optimizer step")
+    precision = args.precision or (None if config and config.precision != "fp32" else "mixed_float16")
     keras.utils.set_random_seed(args.seed)
     with kmp.precision_scope(precision or config) as chosen:
         inputs = keras.Input((64,))
@@ -41,11 +55,16 @@ def _demo(args: argparse.Namespace) -> int:
         hidden = keras.layers.Dense(256, activation="relu")(hidden)
         outputs = kmp.float32_output(keras.layers.Dense(10)(hidden), activation="softmax")
         model = keras.Model(inputs, outputs)
-        optimizer = kmp.wrap(keras.optimizers.AdamW(args.learning_rate), config, precision=chosen)
+        # The config's optimizer block, when it has one; else AdamW(--learning-rate).
+        own = None if config is not None and config.optimizer is not None else keras.optimizers.AdamW(
+            args.learning_rate)
+        optimizer = kmp.wrap(own, args.config, precision=chosen, **(
+            {"micro_batch_size": batch_size, "total_steps": fills["total_steps"],
+             "warmup_steps": fills["warmup_steps"]} if args.config else {}))
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         print(f"kmp demo: {chosen} on {len(x)} digits images, optimizer {type(optimizer).__name__}")
         start = time.perf_counter()
-        model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
+        model.fit(x, y, batch_size=batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
                   callbacks=[LossScaleMonitor()])
         seconds = time.perf_counter() - start
         loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
@@ -73,10 +92,42 @@ def _env(args: argparse.Namespace) -> int:
     return env.exit_code(report)
 
 
+def _config_check(args: argparse.Namespace) -> int:
+    from kmp.config_check import check
+
+    fills = {name: getattr(args, name) for name in ("precision", "micro_batch_size", "gradient_accumulation_steps",
+                                                    "total_steps", "warmup_steps", "learning_rate")
+             if getattr(args, name) is not None}
+    text, code = check(args.file, replicas=args.replicas, strict=args.strict, **fills)
+    print(text)
+    return code
+
+
+def _add_config(commands) -> None:
+    group = commands.add_parser("config", help="work with DeepSpeed-style config files")
+    actions = group.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="print what a config resolves to (no training); exit 0 if it loads, else 1",
+        description="Load a DeepSpeed-style config as kmp.wrap would and print the resolved settings: precision, "
+                    "loss scaling, optimizer, schedule with sample learning rates, batch arithmetic, ignored keys. "
+                    "Imports no TensorFlow.")
+    check.add_argument("file", help="a DeepSpeed-style JSON config")
+    check.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (DeepSpeed's world size)")
+    check.add_argument("--strict", action="store_true", help="unknown top-level keys are errors")
+    check.add_argument("--precision", choices=("fp16", "bf16", "fp32"), help="fills 'auto' in fp16/bf16.enabled")
+    for flag, dest in (("--micro-batch-size", "micro_batch_size"),
+                       ("--gradient-accumulation-steps", "gradient_accumulation_steps"),
+                       ("--total-steps", "total_steps"), ("--warmup-steps", "warmup_steps")):
+        check.add_argument(flag, dest=dest, type=int, metavar="N", help="fills the 'auto' value")
+    check.add_argument("--learning-rate", type=float, metavar="LR", help="fills 'auto' in optimizer.params.lr")
+    check.set_defaults(run=_config_check)
+
+
 def _add_demo(commands) -> None:
     demo = commands.add_parser("demo", help="train a small model on the bundled digits data")
     demo.add_argument("--precision", help="e.g. mixed_float16 (default), mixed_bfloat16, float32, 16-mixed, auto")
-    demo.add_argument("--config", help="a DeepSpeed-style JSON file (fp16/bf16 block, clipping, ...)")
+    demo.add_argument("--config", help="a DeepSpeed-style JSON file: its precision, optimizer, schedule, clipping "
+                                       "and micro-batch are used")
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--learning-rate", type=float, default=2e-3)
@@ -105,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(commands)
     _add_env(commands)
-    # Command groups (e.g. `kmp config check FILE`) add a subparser with
-    # their own add_subparsers here, each leaf with its own set_defaults(run=...).
+    _add_config(commands)
     return parser
 
 

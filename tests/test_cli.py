@@ -106,8 +106,9 @@ def test_wrap_stays_the_function_when_its_module_is_imported_first(tmp_path):
     assert done.stdout == "wrap\n"
 
 
-def test_keras_then_kmp_loads_a_keras_file_with_kmps_optimizer(tmp_path):
-    """`import keras, kmp` registers kmp's optimizer with Keras, as the eager import did."""
+@pytest.mark.parametrize("imports", ["import keras, kmp", "import kmp, keras"])
+def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp_path, imports):
+    """kmp's optimizer is registered with Keras as soon as both are imported, as the eager import did."""
     import keras
     import numpy as np
 
@@ -116,7 +117,7 @@ def test_keras_then_kmp_loads_a_keras_file_with_kmps_optimizer(tmp_path):
     model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
     model.save(tmp_path / "model.keras")
     done, _ = run_python(
-        "import keras, kmp\n"
+        f"{imports}\n"
         f"print(type(keras.saving.load_model({str(tmp_path / 'model.keras')!r}).optimizer).__name__)\n",
         tmp_path)
     assert done.stdout == "LossScaleOptimizer\n"
@@ -305,3 +306,50 @@ def test_demo_trains():
     values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in lines[1:])
     assert float(values["test accuracy"]) > 0.5  # one epoch; 10 classes: chance is 0.1
     assert float(values["loss scale"]) >= 1
+
+
+# --- kmp config check ----------------------------------------------------------
+
+CORPUS = ROOT / "tests" / "data" / "deepspeed_configs"
+
+
+def test_config_check_prints_the_resolved_job_without_tensorflow(tmp_path):
+    path = CORPUS / "dse__QANet-Pytorch__ds_bsz512_1cycle.json"
+    done, heavy = run_python(f"from kmp.cli import main\nraise SystemExit(main(['config', 'check', {str(path)!r}, "
+                             "'--replicas', '2']))", tmp_path)
+    assert heavy == [] and done.stderr == ""
+    out = done.stdout
+    assert "adam -> keras.optimizers.AdamW(learning_rate=0.001, beta_1=0.8" in out
+    assert "OneCycle; lr at update k -> 0: 0.004" in out and "beta_1 at update k -> 0: 0.8" in out
+    assert "train_batch_size 512 = micro 32 x 8 x 2 replicas" in out and out.rstrip().endswith("OK")
+
+
+def test_config_check_exit_codes_for_ci(tmp_path):
+    good = run_kmp("config", "check", str(CORPUS / "transformers__tests__deepspeed__ds_config_zero3.json"))
+    assert good.returncode == 0 and "zero_optimization.stage is 3" in good.stdout
+    template = CORPUS / "accelerate__tests__deepspeed__ds_config_zero2.json"
+    unfilled = run_kmp("config", "check", str(template))
+    assert unfilled.returncode == 1 and "optimizer.params.lr" in unfilled.stdout
+    filled = run_kmp("config", "check", str(template), "--precision", "bf16", "--micro-batch-size", "4",
+                     "--warmup-steps", "10", "--learning-rate", "2e-5", "--replicas", "2")
+    assert filled.returncode == 1 and "gradient_clipping" in filled.stdout  # still one 'auto' nothing fills
+    mismatch = tmp_path / "ds.json"
+    mismatch.write_text('{"train_batch_size": 24, "train_micro_batch_size_per_gpu": 5, '
+                        '"gradient_accumulation_steps": 2}')
+    bad = run_kmp("config", "check", str(mismatch))
+    assert bad.returncode == 1 and "INVALID" in bad.stdout and bad.stdout.rstrip().endswith("FAILED")
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text('{"cuda_visible_devices": "0"}')
+    assert run_kmp("config", "check", str(unknown)).returncode == 0
+    assert run_kmp("config", "check", str(unknown), "--strict").returncode == 1
+
+
+@pytest.mark.slow
+def test_demo_feeds_the_configs_micro_batch(tmp_path):
+    # The issue's case: a global batch of 24 accumulated over 8 is a micro-batch of 3, not the demo's 32.
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 24, "gradient_accumulation_steps": 8}')
+    done = run_kmp("demo", "--config", str(config), "--precision", "float32", "--epochs", "1")
+    assert done.returncode == 0, done.stderr
+    assert "the config's micro-batch 3, 8 per optimizer step" in done.stdout
+    assert "skipped steps  0 of 60" in done.stdout  # 1,438 images / 3 per micro-batch / 8 per step
