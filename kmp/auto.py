@@ -132,6 +132,7 @@ def _steps(name: str, argument: str) -> Callable[[Given, dict], Any]:
 FILLS: dict[str, tuple[Callable[[Given, dict], Any], str]] = {
     "fp16.enabled": (_precision("fp16"), "`precision=`, else the active Keras policy"),
     "bf16.enabled": (_precision("bf16"), "`precision=`, else the active Keras policy"),
+    "bfloat16.enabled": (_precision("bf16"), "as bf16.enabled (bfloat16 is the bf16 block's old name)"),
     "optimizer.params.lr": (_optimizer_param("lr"), "the optimizer passed to `kmp.wrap`"),
     "optimizer.params.betas": (_optimizer_param("betas"), "the optimizer passed to `kmp.wrap` (beta_1, beta_2)"),
     "optimizer.params.eps": (_optimizer_param("eps"), "the optimizer passed to `kmp.wrap` (epsilon)"),

@@ -180,14 +180,15 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike, *, strict: bool =
     `fills` fill Hugging Face's "auto" values (kmp.auto): `precision`
     ("fp16", "bf16", "fp32"), `micro_batch_size`, `train_batch_size`,
     `gradient_accumulation_steps`, `replicas`, `total_steps`,
-    `warmup_steps`, `gradient_clipping`, `learning_rate`, `weight_decay`.
+    `warmup_steps`, `gradient_clipping`, and the optimizer's `learning_rate`,
+    `weight_decay`, `betas`, `eps`.
     `kmp.wrap` fills them from its optimizer, strategy and arguments.
     """
     return read_config(source, strict=strict, given=given_of(fills), stacklevel=3)
 
 
 _FILL_NAMES = ("precision", "micro_batch_size", "train_batch_size", "gradient_accumulation_steps", "replicas",
-               "total_steps", "warmup_steps", "gradient_clipping", "learning_rate", "weight_decay")
+               "total_steps", "warmup_steps", "gradient_clipping", "learning_rate", "weight_decay", "betas", "eps")
 
 
 def given_of(fills: Mapping[str, Any]) -> auto.Given:
@@ -200,18 +201,22 @@ def given_of(fills: Mapping[str, Any]) -> auto.Given:
         if name == "precision":
             if value not in ("fp32", "fp16", "bf16"):
                 problems.append(Problem(name, "'fp32', 'fp16' or 'bf16'", value))
-        elif name in ("gradient_clipping", "learning_rate", "weight_decay"):
+        elif name in ("gradient_clipping", "learning_rate", "weight_decay", "eps"):
             if not (is_number(value) and value >= 0):
                 problems.append(Problem(name, "a number >= 0", value))
+        elif name == "betas":
+            if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(is_number(b) for b in value)):
+                problems.append(Problem(name, "[beta1, beta2]", value))
         else:
             int_in(name, value, 0 if name == "warmup_steps" else 1, problems)
     check(problems, "kmp.load_config arguments")
     fills = {k: plain(v) for k, v in fills.items()}
-    # As Hugging Face's learning_rate / weight_decay arguments: they fill the optimizer block's "auto".
-    params = {"lr": fills.pop("learning_rate", None), "weight_decay": fills.pop("weight_decay", None)}
-    optimizer = {k: v for k, v in params.items() if v is not None} or None
+    # As Hugging Face's learning_rate, weight_decay, adam_beta1/2, adam_epsilon: they fill the optimizer block's "auto".
+    params = {"lr": fills.pop("learning_rate", None), "weight_decay": fills.pop("weight_decay", None),
+              "betas": fills.pop("betas", None), "eps": fills.pop("eps", None)}
+    optimizer = {k: list(v) if k == "betas" else v for k, v in params.items() if v is not None} or None
     return auto.Given(world_size=fills.pop("replicas", None), optimizer=optimizer,
-                      optimizer_source="learning_rate= / weight_decay=", **fills)
+                      optimizer_source="load_config's arguments", **fills)
 
 
 def read_config(source: Any, *, strict: bool = False, given: auto.Given = auto.Given(), stacklevel: int = 2

@@ -118,15 +118,18 @@ def test_every_training_config_loads_and_trains(record):
     if "train_micro_batch_size_per_gpu" in autos:
         fills["micro_batch_size"] = 4  # as HF's per_device_train_batch_size would
     given = dict(fills)  # what kmp.wrap is given; it reads the precision from the active policy
-    if {"fp16.enabled", "bf16.enabled"} & set(autos):
+    if "fp16.enabled" in autos:
         fills["precision"] = "fp16"
+    elif {"bf16.enabled", "bfloat16.enabled"} & set(autos):
+        fills["precision"] = "bf16"
     if record["file"] in REFUSED:
         with pytest.raises(kmp.ConfigError) as info:
             _quiet(lambda: kmp.load_config(path, **fills))
         assert REFUSED[record["file"]] in [p.path for p in info.value.problems]
         return
     # What a passed optimizer fills, given to load_config too (as HF's learning_rate, weight_decay, max_grad_norm).
-    as_passed = {"learning_rate": 1e-3, "weight_decay": 0.01, "gradient_clipping": 1.0}
+    as_passed = {"learning_rate": 1e-3, "weight_decay": 0.01, "gradient_clipping": 1.0, "betas": (0.9, 0.999),
+                 "eps": 1e-7}
     config = _quiet(lambda: kmp.load_config(path, **fills, **as_passed))
     # The optimizer: the file's own; where its params are "auto", one passed to kmp.wrap fills them.
     passed = None
