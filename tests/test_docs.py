@@ -124,11 +124,17 @@ PLACEHOLDERS = {
 
 # Files a snippet names, written to the directory it runs in.
 FILES = {
+    # An example of ours (not a file from elsewhere).
     "ds_config.json": {
         "train_micro_batch_size_per_gpu": 16,
         "gradient_clipping": 1.0,
         "fp16": {"enabled": True, "loss_scale_window": 1000, "hysteresis": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-5, "warmup_num_steps": 100}},
     },
+    # A real Hugging Face template: accelerate's tests/deepspeed/ds_config_zero2.json (the corpus's copy).
+    "hf_template.json": json.loads((Path(__file__).parent / "data" / "deepspeed_configs" /
+                                    "accelerate__tests__deepspeed__ds_config_zero2.json").read_text()),
 }
 
 
@@ -142,6 +148,10 @@ def _expect_config_optimizer(ns):
     optimizer = ns["optimizer"]
     assert isinstance(optimizer, kmp.LossScaleOptimizer)  # the file's fp16 block
     assert optimizer.get_config()["hysteresis"] == 2
+    assert type(optimizer.inner_optimizer).__name__ == "AdamW"  # the file's optimizer block
+    assert optimizer.inner_optimizer.weight_decay == 0.01
+    hf = ns["hf_optimizer"]  # float32 policy: "auto" fp16/bf16 are off, so a plain AdamW with the template's schedule
+    assert type(hf).__name__ == "AdamW" and type(hf._learning_rate).__name__ == "DeepSpeedLearningRate"
 
 
 def _expect_one_window(ns):
@@ -152,7 +162,7 @@ def _expect_one_window(ns):
 # A unique piece of a python block -> a check of the namespace it leaves.
 EXPECTATIONS = {
     "callbacks=[kmp.callbacks.LossScaleMonitor()]": _expect_quickstart,
-    'kmp.wrap("adamw", "ds_config.json")': _expect_config_optimizer,
+    'kmp.wrap(config="ds_config.json")': _expect_config_optimizer,
     "gradient_accumulation_steps=8)": _expect_one_window,
 }
 
