@@ -127,14 +127,13 @@ def parse_optimizer(block: Any, prefix: str = "optimizer"
             _check_param(path, key, value, known[key], problems)
     if params.get("amsgrad") is True and kind in ("lamb", "onebitadam", "zerooneadam", "onebitlamb"):
         problems.append(Problem(f"{prefix}.params.amsgrad", "false", True, f"DeepSpeed's {name} refuses AMSGrad."))
-    filled = {**known, **{k: values.plain(v) for k, v in params.items() if k in known}}
-    filled["betas"] = tuple(values.plain(b) for b in filled["betas"]) if "betas" in filled else None
-    if filled["betas"] is None:
-        del filled["betas"]
-    if kind in ("adam", "adamw") and filled["torch_adam"] and "weight_decay" not in params and _decoupled(kind, filled):
-        filled["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which torch_adam selects
     if problems:
         return None, problems, notes
+    filled = {**known, **{k: values.plain(v) for k, v in params.items() if k in known}}
+    if "betas" in filled:
+        filled["betas"] = tuple(values.plain(b) for b in filled["betas"])
+    if kind in ("adam", "adamw") and filled["torch_adam"] and "weight_decay" not in params and _decoupled(kind, filled):
+        filled["weight_decay"] = 1e-2  # torch.optim.AdamW's default, which torch_adam selects
     return OptimizerSpec(kind, filled, tuple(k for k in params if k in known)), [], notes
 
 

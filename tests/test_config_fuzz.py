@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import numbers
+import os
 import re
 from collections.abc import Hashable
 from decimal import Decimal
@@ -49,6 +50,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kmp
+from kmp.auto import auto_paths
 from kmp.deepspeed import _IGNORED  # the DeepSpeed keys kmp reads past: data, not a check
 from kmp.distribute import strategy as strategy_module
 
@@ -446,7 +448,8 @@ def check_loaded(raw, config) -> None:
     for level, values in levels.items():
         for key, value in values.items():
             known = key in DS_KEYS[level] or key in _IGNORED.get(level, []) or (
-                not level and key in ("fp16", "bf16", "bfloat16", "kmp"))
+                not level and key in ("fp16", "bf16", "bfloat16", "kmp", "optimizer", "scheduler",
+                                      "zero_optimization"))
             expect(known, f"the unknown key {level}.{key}", value)
             if key in DS_KEYS[level]:
                 given[f"{level}.{key}" if level else key] = value
@@ -455,8 +458,9 @@ def check_loaded(raw, config) -> None:
             expect(isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)), path, value)
         if path in BOOL_KEYS:
             expect(type(value) is bool, path, value)
-        if path in CHOICE_KEYS:
-            expect(type(value) is str and value in CHOICE_KEYS[path], path, value)
+        if path in CHOICE_KEYS:  # DeepSpeed lower-cases communication_data_type
+            spelled = value.lower() if path == "communication_data_type" and type(value) is str else value
+            expect(type(value) is str and spelled in CHOICE_KEYS[path], path, value)
     ls = config.loss_scale
     stored = {
         "train_batch_size": config.train_batch_size, "train_micro_batch_size_per_gpu": config.micro_batch_size,
@@ -481,7 +485,7 @@ def check_loaded(raw, config) -> None:
                given["fp16.initial_scale_power"])
     if "communication_data_type" in given:
         names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-        expect(config.communication_data_type == names[given["communication_data_type"]],
+        expect(config.communication_data_type == names[given["communication_data_type"].lower()],
                "communication_data_type", given["communication_data_type"])
     fp16, bf16 = given.get("fp16.enabled") is True, given.get("bf16.enabled") is True
     expect(not (fp16 and bf16), "fp16.enabled and bf16.enabled", True)
@@ -497,7 +501,8 @@ NOT_A_CONFIG = st.sampled_from([None, 3, 2.5, [], [{"fp16": {}}], ("fp16",), b'{
 @example({"fp16": {"hysteresis": 10**400}, "gradient_clipping": 10**400})  # was an OverflowError
 @given(st.one_of(DS_DICTS, DS_DICTS, DS_DICTS, NOT_A_CONFIG))
 def test_load_config_dict(raw):
-    ends_well(lambda: kmp.load_config(raw), lambda config: check_loaded(raw, config))
+    # strict: an unknown top-level key is an error too (by default a warning, as DeepSpeed ignores them).
+    ends_well(lambda: kmp.load_config(raw, strict=True), lambda config: check_loaded(raw, config))
 
 
 def strict_json(text: str):
@@ -566,7 +571,7 @@ def json_texts(draw):
 @example('{"": 1, "": 2}')
 @given(json_texts())
 def test_load_config_json_text(text):
-    ends_well(lambda: kmp.load_config(text), lambda config: check_loaded(strict_json(text), config))
+    ends_well(lambda: kmp.load_config(text, strict=True), lambda config: check_loaded(strict_json(text), config))
 
 
 @pytest.fixture(scope="module")
@@ -593,7 +598,7 @@ def test_load_config_file(json_dir, text, how):
         assert how in ("str", "path"), f"accepted {source!r}"
         check_loaded(strict_json(Path(source).read_bytes().decode("utf-8")), config)
 
-    ends_well(lambda: kmp.load_config(source), oracle)
+    ends_well(lambda: kmp.load_config(source, strict=True), oracle)
 
 
 # --- kmp.resolve_batch_sizes --------------------------------------------------------------------
@@ -702,6 +707,11 @@ def test_resolve_precision(value, hardware):
                    "compute_capability", cc)
         if isinstance(value, str) and value == "auto":
             expected = auto_precision(hw.kind, hw.compute_capability) if hw is not None else "float32"  # CPU here
+        elif isinstance(value, str) and value not in PRECISION_STRINGS and (
+                value.lstrip().startswith(("{", "[")) or value.endswith(".json") or os.path.isfile(value)):
+            # What load_config takes (JSON text, a path): the config's precision.
+            expected = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}[
+                kmp.load_config(value).precision]
         elif isinstance(value, str):
             expected = PRECISION_STRINGS.get(value)
         elif type(value) is int:
@@ -1004,11 +1014,11 @@ def test_wrap(config, precision, overrides):
 
     def oracle(opt):
         assert inner.global_clipnorm is None, "wrap changed the optimizer it was given"
-        if isinstance(config, dict):
-            check_loaded(config, kmp.load_config(config))
+        if isinstance(config, dict) and not auto_paths(config):  # "auto" is filled by what wrap is given
+            check_loaded(config, kmp.load_config(config, strict=True))
         check_optimizer(opt, overrides)
 
-    ends_well(lambda: kmp.wrap(inner, config, precision=precision, **overrides), oracle)
+    ends_well(lambda: kmp.wrap(inner, config, precision=precision, strict=True, **overrides), oracle)
 
 
 LOSS_SCALE_OPTIMIZER_KWARGS = faulty({**OVERRIDES, "loss_scale": st.one_of(st.none(), VALID_LOSS_SCALES)}, None)
