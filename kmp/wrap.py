@@ -17,7 +17,13 @@ changes the global policy.
 `wrap` never changes the optimizer it is given. Clipping (DeepSpeed's
 `gradient_clipping`, a global-norm clip) is done by kmp's optimizer, after the
 all-reduce; where `wrap` returns a plain optimizer, it returns a copy
-(`from_config`) with `global_clipnorm` set.
+(`from_config`) with `global_clipnorm` set. A config's `scheduler` block is
+likewise set on a copy, as its `learning_rate` (and, for OneCycle, its
+beta_1: kmp.momentum).
+
+With no optimizer, `wrap` builds the one the config's `optimizer` block
+names (kmp.optimizers); Hugging Face's "auto" values are filled from the
+optimizer, the policy, the strategy and the arguments (kmp.auto).
 """
 
 from __future__ import annotations
