@@ -304,8 +304,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def load_own_variables(self, store):
         keys = [k for k in store.keys() if k.startswith("per_replica_")]
         super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
-        for key in keys:
-            replica_state.assign_rows(self.variables[int(key.removeprefix("per_replica_"))], np.asarray(store[key]))
+        replica_state.assign_rows([self.variables[int(k.removeprefix("per_replica_"))] for k in keys],
+                                  [np.asarray(store[k]) for k in keys])
 
     def get_config(self):
         config = super().get_config()

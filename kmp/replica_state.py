@@ -6,7 +6,7 @@ one value per variable, replica 0's. kmp saves every local replica's rows
 beside it and puts them back after the ordinary restore:
 
     save:    rows = stack(value on each local replica)      # [local replicas, ...]
-    restore: if len(rows) == local replicas: replica i <- rows[i]
+    restore: if len(rows) == replicas: replica i <- rows[i]  # i: its index among all replicas
              else: replica 0 <- sum(rows); the others <- 0  # the window's total is kept
 
 - `.keras` / `.weights.h5` (save_own_variables): kmp.LossScaleOptimizer
@@ -54,21 +54,45 @@ def read_rows(variable) -> tf.Tensor:
     return tf.stack([tf.convert_to_tensor(c.read_value()) for c in components(variable)])
 
 
-def assign_rows(variable, rows) -> None:
-    """Each local replica's saved row back into its own component.
+def replica_ids(strategy) -> list:
+    """The index among all replicas of each local replica, in `components` order
+    (under several workers, not the local position)."""
 
-    Saved on another number of replicas, the window's total is kept: replica 0
-    gets the sum of the rows and the others zeros, so the next all-reduce sees
-    the same sum (rounded in another order). Graph-safe: the row count of a
-    restored tensor may only be known when it runs.
+    @tf.autograph.experimental.do_not_convert
+    def replica_id():
+        return tf.distribute.get_replica_context().replica_id_in_sync_group
+
+    # In a tf.function: strategy.run in eager mode warns about its overhead.
+    ids = tf.function(tf.autograph.experimental.do_not_convert(lambda: strategy.run(replica_id)))()
+    return list(strategy.experimental_local_results(ids))
+
+
+def assign_rows(variables, rows) -> None:
+    """Each replica's saved row of each variable back into its own component.
+
+    rows[k] holds variables[k]'s rows, one per replica that saved it. Saved
+    by as many replicas as there are now, replica i takes row i; by another
+    number, replica 0 (of all workers) takes the sum of the rows and the
+    others zeros, so the next all-reduce sees the window's total (rounded in
+    another order). Graph-safe: a restored tensor's row count may only be
+    known when it runs.
     """
-    rows = tf.convert_to_tensor(rows, variable.dtype)
-    local = components(variable)
-    same = tf.equal(tf.shape(rows)[0], len(local))
-    total = tf.reduce_sum(rows, axis=0)
-    for i, component in enumerate(local):
-        kept = total if i == 0 else tf.zeros_like(total)
-        component.assign(tf.cond(same, lambda i=i: rows[i], lambda kept=kept: kept))
+    if not variables:
+        return
+    value = variables[0].value
+    if isinstance(value, tf.distribute.DistributedValues):
+        count, ids = value.distribute_strategy.num_replicas_in_sync, replica_ids(value.distribute_strategy)
+    else:
+        count, ids = 1, [0]
+    for variable, saved in zip(variables, rows, strict=True):
+        saved = tf.convert_to_tensor(saved, variable.dtype)
+        same = tf.equal(tf.shape(saved)[0], count)
+        total = tf.reduce_sum(saved, axis=0)
+        for index, component in zip(ids, components(variable), strict=True):
+            index = tf.cast(index, tf.int32)
+            # A select, not a product: a window holding an inf keeps it, with no NaN beside.
+            kept = tf.where(tf.equal(index, 0), total, tf.zeros_like(total))
+            component.assign(tf.cond(same, lambda: tf.gather(saved, index), lambda: kept))
 
 
 def warn_if_incomplete(micro_steps, how: str) -> None:
@@ -133,7 +157,6 @@ def _restore(trackables, merged_prefix):
         variables = window.variables()
         names = _keys(object_name, window)
         with tf.device("CPU:0"):
-            rows = tf.raw_ops.RestoreV2(prefix=merged_prefix, tensor_names=names,
-                                        shape_and_slices=[""] * len(names), dtypes=[tf.as_dtype(v.dtype) for v in variables])
-        for variable, saved in zip(variables, rows):
-            assign_rows(variable, saved)
+            rows = tf.raw_ops.RestoreV2(prefix=merged_prefix, tensor_names=names, shape_and_slices=[""] * len(names),
+                                        dtypes=[tf.as_dtype(v.dtype) for v in variables])
+        assign_rows(variables, rows)
