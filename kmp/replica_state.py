@@ -98,7 +98,9 @@ def assign_rows(variables, rows) -> None:
 def warn_if_incomplete(micro_steps, how: str) -> None:
     """Under several workers, a save of an open window holds only this worker's sums."""
     strategy = getattr(micro_steps.value, "distribute_strategy", None)  # None: not distributed
-    if strategy is None or not seams.get("collective_all_reduce_multi_worker")(strategy):
+    if strategy is None or not tf.executing_eagerly():  # a save traced into a function (SavedModel) reads no value
+        return
+    if not seams.get("collective_all_reduce_multi_worker")(strategy):
         return
     if int(np.asarray(micro_steps.numpy())) == 0:
         return
@@ -114,13 +116,13 @@ def warn_if_incomplete(micro_steps, how: str) -> None:
 class PerReplicaWindow(tf.__internal__.tracking.Trackable):
     """The `tf.train.Checkpoint` entry for every local replica's accumulation state.
 
-    `variables` returns the optimizer's local-state variables (sums, weight
-    sum) in a fixed order; they are saved as one stacked tensor each.
+    `local_state()` returns the optimizer's local-state variables (sums,
+    weight sum) in a fixed order; each is saved as one stacked tensor.
     """
 
-    def __init__(self, variables, micro_steps):
+    def __init__(self, local_state, micro_steps):
         _register()
-        self.variables = variables
+        self.local_state = local_state
         self.micro_steps = micro_steps
 
 
@@ -135,7 +137,7 @@ def _register() -> None:
 
 
 def _keys(object_name: str, window: PerReplicaWindow) -> list[str]:
-    return [f"{object_name}/.PER_REPLICA/{j}" for j in range(len(window.variables()))]
+    return [f"{object_name}/.PER_REPLICA/{j}" for j in range(len(window.local_state()))]
 
 
 def _save(trackables, file_prefix):
@@ -144,7 +146,7 @@ def _save(trackables, file_prefix):
     for object_name, window in trackables.items():
         warn_if_incomplete(window.micro_steps, "tf.train.Checkpoint")
         names += _keys(object_name, window)
-        tensors += [read_rows(v) for v in window.variables()]
+        tensors += [read_rows(v) for v in window.local_state()]
     with tf.device("CPU:0"):
         tf.raw_ops.SaveV2(prefix=file_prefix, tensor_names=names, shape_and_slices=[""] * len(names),
                           tensors=tensors)
@@ -152,9 +154,10 @@ def _save(trackables, file_prefix):
 
 
 def _restore(trackables, merged_prefix):
-    """TensorFlow's registered-saver restore_fn; runs after the ordinary restore ops."""
+    """TensorFlow's registered-saver restore_fn. TensorFlow runs it after the
+    ordinary restore ops (registration.register_checkpoint_saver's contract)."""
     for object_name, window in trackables.items():
-        variables = window.variables()
+        variables = window.local_state()
         names = _keys(object_name, window)
         with tf.device("CPU:0"):
             rows = tf.raw_ops.RestoreV2(prefix=merged_prefix, tensor_names=names, shape_and_slices=[""] * len(names),

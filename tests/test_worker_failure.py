@@ -39,6 +39,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmp
 from kmp.backup import BackupAndRestore, BackupError, read_backup
@@ -405,25 +406,36 @@ def test_several_interruptions_resume_bit_for_bit(two_replicas, in_process_refer
 
 
 @pytest.fixture(scope="module")
-def accumulated_reference(two_replicas, tmp_path_factory):
-    return _fit(two_replicas, BackupAndRestore(tmp_path_factory.mktemp("reference") / "b", save_freq=5),
-                accumulation=3)
+def accumulated_references(tmp_path_factory):
+    """{strategy: the uninterrupted run with windows of 3}, computed when first asked for."""
+    runs = {}
+
+    def reference(strategy):
+        if strategy not in runs:
+            runs[strategy] = _fit(strategy, BackupAndRestore(tmp_path_factory.mktemp("reference") / "b", save_freq=5),
+                                  accumulation=3)
+        return runs[strategy]
+
+    return reference
 
 
-@pytest.mark.parametrize("interrupt_at, backup", [(8, (0, 5, 5)), (12, (1, 4, 10)), (17, (2, 3, 15))])
-def test_a_backup_inside_an_accumulation_window_resumes_it_bit_for_bit(two_replicas, accumulated_reference, tmp_path,
-                                                                       interrupt_at, backup):
+@pytest.mark.parametrize("distributed, interrupt_at, backup", [
+    (True, 8, (0, 5, 5)), (True, 12, (1, 4, 10)), (True, 17, (2, 3, 15)), (False, 8, (0, 5, 5)),
+])
+def test_a_backup_inside_an_accumulation_window_resumes_it_bit_for_bit(two_replicas, accumulated_references, tmp_path,
+                                                                       distributed, interrupt_at, backup):
     """Windows of 3 micro-batches, backups after batches 5, 10 and 15: the
     first two fall inside a window (2 and 1 micro-batches in, each replica
     holding its own partial sums, which come back to it); the overflow of the
     first batch of epochs 1 and 2 (steps 7, 13) is inside the span redone."""
-    reference = accumulated_reference
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    reference = accumulated_references(strategy)
     directory = tmp_path / "backup"
-    assert _fit(two_replicas, BackupAndRestore(directory, save_freq=5), interrupt_at=interrupt_at,
+    assert _fit(strategy, BackupAndRestore(directory, save_freq=5), interrupt_at=interrupt_at,
                 accumulation=3) is None
     found = read_backup(directory)
     assert (found["epoch"], found["batch"], found["total"]) == backup
-    resumed = _fit(two_replicas, BackupAndRestore(directory, save_freq=5), accumulation=3)
+    resumed = _fit(strategy, BackupAndRestore(directory, save_freq=5), accumulation=3)
     assert resumed["steps"] == reference["steps"] == TOTAL_STEPS // 3
     for ours, theirs in zip(resumed["arrays"], reference["arrays"], strict=True):
         assert ours.tobytes() == theirs.tobytes()
