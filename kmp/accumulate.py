@@ -18,8 +18,9 @@ change it between epochs without retracing.
 
 Saving: Keras saves one value per variable, replica 0's. A window left open
 in a checkpoint holds each replica's own partial sums, so kmp's optimizer
-saves those per replica beside (`save_own_variables`): a resume on the same
-replicas continues the window exactly.
+saves those per replica beside (kmp.replica_state: `.keras`, `.weights.h5`
+and `tf.train.Checkpoint`): a resume on the same replicas continues the
+window exactly.
 """
 
 from __future__ import annotations

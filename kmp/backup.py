@@ -33,26 +33,31 @@ What this callback does
 -----------------------
 One file holds every variable a step depends on (the model's, including
 random-seed state; the optimizer's, including the loss scale, its hysteresis
-and step counters; each replica's running metric totals) and the position
-(epoch, batches done in it). One worker writes it, atomically; every worker
-restores it:
+and step counters; each replica's running metric totals and open
+accumulation window) and the position (epoch, batches done in it). One
+worker writes it, atomically; every worker restores it:
 
     backup (every `save_freq` batches, or at each epoch end):
-        metrics = all_gather(each replica's metric totals)          # every worker joins
+        per_replica = all_gather(each replica's metric totals and window sums)  # every worker joins
         if chief: values = the model's and optimizer's variables    # identical on every replica
-                  write values, metrics, position to a temporary file, fsync, rename over the backup
+                  write values, per_replica, position to a temporary file, fsync, rename over the backup
     restore (on_train_begin, every worker):
         read the backup; under several workers, check that all read the same one
-        assign the variables; fit() starts at the saved epoch
+        assign the variables; each replica takes back its own window sums
+        fit() starts at the saved epoch
         the saved epoch's first `batch` batches are read and dropped, not trained on
         (on_epoch_begin) the epoch's metric totals come back as they were
 
-Every worker takes part in a backup because the metrics' running totals are
-each replica's own (Keras logs the mean over replicas of each replica's
-result) and are all-gathered, a collective under MultiWorkerMirroredStrategy:
-a chief gathering alone would wait for peers that never join. A rename is atomic
-on POSIX file systems, so a worker killed at any moment leaves the previous
-backup or the new one, never a torn file.
+Every worker takes part in a backup because some state is each replica's
+own: the metrics' running totals (Keras logs the mean over replicas of each
+replica's result) and the partial sums of an open accumulation window (kmp's
+`gradient_accumulation_steps`: nothing is communicated until the window
+closes). They are all-gathered, a collective under
+MultiWorkerMirroredStrategy: a chief gathering alone would wait for peers that
+never join. A backup can therefore fall inside a window; restored on another
+number of replicas, the window's total goes to replica 0 (kmp.replica_state's
+rule). A rename is atomic on POSIX file systems, so a worker killed at any
+moment leaves the previous backup or the new one, never a torn file.
 
 With the same data pipeline (the same global batches in the same order; a
 shuffle must not depend on how many epochs an iterator object has run), the
@@ -68,9 +73,6 @@ Requirements and limits:
 - List it before `kmp.callbacks.LossScaleMonitor` in `callbacks=[...]`: the
   monitor reads the loss-scale state when training begins, which must be the
   restored one.
-- A backup due inside an open accumulation window (kmp's
-  `gradient_accumulation_steps`) is taken when the window closes: the
-  window's partial sums are each replica's own and are not saved.
 - The skipped batches of the resumed epoch reach the other callbacks as
   batches whose logs are the restored metrics; nothing trains on them. With
   `steps_per_execution=S`, each such call drops S batches.
@@ -90,7 +92,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import seams, values
+from kmp import replica_state, seams, values
 from kmp.errors import KmpError, Problem, check
 
 __all__ = ["BackupAndRestore", "BackupError", "read_backup"]
@@ -148,13 +150,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._epoch = 0             # the epoch running now
         self._batch = 0             # batches of it trained (or restored) so far
         self._total = 0             # batches trained since the first run began, restarts included
-        self._due = False           # a backup waits for an accumulation window to close
         self._resume = None         # (epoch, batch, metric values) while a restored epoch is pending
         self._to_skip = 0           # batches of the restored epoch still to drop
         self._skipped_call = False  # the last train-function call dropped batches
         self._installed = None      # (original train function, wrapper)
         self._initial_epoch = None  # the model's, before this fit()
-        self._read_metrics = None   # traced at the first backup of a fit()
+        self._read_per_replica = None  # traced at the first backup of a fit()
         self.restored = None        # the position restored by this fit(), for logs and tests
 
     # -- restore -----------------------------------------------------------
@@ -185,6 +186,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for group in ("model", "optimizer"):
             for i, variable in enumerate(variables[group]):
                 variable.assign(arrays[f"{group}/{i}"])  # every local replica's copy
+        # Then each replica's own window sums (backups written before kmp saved
+        # them were taken at window boundaries, where they are zero).
+        _restore_window(variables["window"], arrays.get("window"))
         epoch, batch = metadata["epoch"], metadata["batch"]
         self._epoch, self._batch, self._total = epoch, batch, metadata["total"]
         self.restored = {"epoch": epoch, "batch": batch, "total": metadata["total"]}
@@ -306,24 +310,24 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._batch = done
         self._total += added
         if self.save_freq != "epoch" and self._total // self.save_freq > (self._total - added) // self.save_freq:
-            self._due = True
-        if self._due and _window_closed(self.model.optimizer):
             self._save_model()
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._batch = epoch + 1, 0
-        if (self.save_freq == "epoch" or self._due) and _window_closed(self.model.optimizer):
+        if self.save_freq == "epoch":
             self._save_model()
 
     def _save_model(self):
-        self._due = False
         model = self.model
         strategy = model.distribute_strategy
         variables = _variables(model)
-        # Every worker joins the metrics' gather (a collective); the chief writes.
-        if self._read_metrics is None:
-            self._read_metrics = _per_replica_reader(strategy, variables["metrics"])
-        arrays = {"metrics": self._read_metrics()}
+        # Every worker joins one gather (a collective) of each replica's own
+        # values; the chief writes.
+        if self._read_per_replica is None:
+            self._read_per_replica = _per_replica_reader(strategy, variables["metrics"] + variables["window"])
+        rows = self._read_per_replica()
+        split = sum(int(np.prod(v.shape)) for v in variables["metrics"])
+        arrays = {"metrics": rows[:, :split], "window": rows[:, split:]}
         if not _is_chief(strategy):
             return
         arrays.update({f"{g}/{i}": _read(v) for g in ("model", "optimizer") for i, v in enumerate(variables[g])})
@@ -380,10 +384,13 @@ def read_backup(backup_dir) -> dict | None:
 
 def _variables(model) -> dict[str, list]:
     optimizer = model.optimizer
+    accumulation = getattr(optimizer, "accumulation", None)  # kmp.LossScaleOptimizer's
     return {
         "model": list(model.variables),  # weights and random-seed state
         "optimizer": list(optimizer.variables) if optimizer is not None else [],
         "metrics": list(model.metrics_variables),
+        # Each replica's own accumulation state (also among "optimizer", as replica 0's).
+        "window": list(accumulation.local_state()) if accumulation is not None else [],
     }
 
 
@@ -447,17 +454,6 @@ def _per_replica_reader(strategy, variables):
     return lambda: gather().numpy()
 
 
-def _replica_ids(strategy):
-    """Each local replica's index among all replicas (a PerReplica value)."""
-
-    @tf.autograph.experimental.do_not_convert
-    def replica_id():
-        return tf.distribute.get_replica_context().replica_id_in_sync_group
-
-    # In a tf.function: strategy.run in eager mode warns about its overhead.
-    return tf.function(tf.autograph.experimental.do_not_convert(lambda: strategy.run(replica_id)))()
-
-
 def _restore_per_replica(strategy, variables, rows) -> None:
     """Gives each local replica its own row of `_per_replica_reader`'s values."""
     if rows is None or not variables:
@@ -472,7 +468,7 @@ def _restore_per_replica(strategy, variables, rows) -> None:
         )
         return
     if distributed:
-        ids = [int(i) for i in strategy.experimental_local_results(_replica_ids(strategy))]
+        ids = [int(i) for i in replica_state.replica_ids(strategy)]
     else:
         ids = [0]
     offset = 0
@@ -486,11 +482,13 @@ def _restore_per_replica(strategy, variables, rows) -> None:
         offset += size
 
 
-def _window_closed(optimizer) -> bool:
-    accumulation = getattr(optimizer, "accumulation", None)  # kmp.LossScaleOptimizer's
-    if accumulation is None or getattr(accumulation, "micro_steps", None) is None:
-        return True
-    return int(_read(accumulation.micro_steps)) == 0
+def _restore_window(variables, rows) -> None:
+    """Each replica's own row of the gathered window state (rows: [replicas, all values])."""
+    if rows is None or not variables:
+        return
+    sizes = [int(np.prod(v.shape)) for v in variables]
+    parts = np.split(rows.astype(np.float32), np.cumsum(sizes)[:-1], axis=1)  # float32 sums, gathered as float64
+    replica_state.assign_rows(variables, [p.reshape((rows.shape[0], *v.shape)) for p, v in zip(parts, variables)])
 
 
 def _is_chief(strategy) -> bool:

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kmp import loss_scale, overflow, seams, values
+from kmp import loss_scale, overflow, replica_state, seams, values
 from kmp.accumulate import Accumulation
 from kmp.config import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import reduce_mean
@@ -164,6 +164,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 ))
             if self.accumulation is not None:
                 self.accumulation.build(self, var_list)
+        if self.accumulation is not None:
+            # Tracked outside Keras's no-tracking scope (tf.train.Checkpoint must
+            # see it) and after the variables: a restore deferred to this build
+            # gives the variables their values first and the rows last.
+            self.per_replica_window = replica_state.PerReplicaWindow(
+                self.accumulation.local_state, self.accumulation.micro_steps)
 
     @property
     def overflows(self):
@@ -281,29 +287,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def save_own_variables(self, store):
         """Keras's format (one value per variable), plus each local replica's own
-        accumulation sums under `per_replica_<index>`: Keras would save replica
-        0's partial sums for every replica (.keras, .weights.h5, ModelCheckpoint,
-        BackupAndRestore)."""
+        accumulation state under `per_replica_<index>`: Keras would save replica
+        0's partial sums for every replica (.keras, .weights.h5, ModelCheckpoint).
+        tf.train.Checkpoint saves them through `per_replica_window`."""
         super().save_own_variables(store)
-        for index, rows in self._per_replica_rows():
-            store[f"per_replica_{index}"] = rows
+        if self.accumulation is None or not self.built:
+            return
+        replica_state.warn_if_incomplete(self.accumulation.micro_steps, "model.save / save_weights")
+        # On one device too (one row): loaded on several replicas, the sums
+        # then go to the first replica only, not to each.
+        local = {id(v) for v in self.accumulation.local_state()}
+        for index, variable in enumerate(self.variables):
+            if id(variable) in local:
+                store[f"per_replica_{index}"] = replica_state.read_rows(variable).numpy()
 
     def load_own_variables(self, store):
         keys = [k for k in store.keys() if k.startswith("per_replica_")]
         super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
-        for key in keys:
-            _assign_per_replica(self.variables[int(key.removeprefix("per_replica_"))], np.asarray(store[key]))
-
-    def _per_replica_rows(self):
-        if self.accumulation is None or not self.built:
-            return []
-        local = {id(v) for v in self.accumulation.local_state()}
-        rows = []
-        for index, variable in enumerate(self.variables):
-            value = variable.value
-            if id(variable) in local and isinstance(value, tf.distribute.DistributedValues):
-                rows.append((index, np.stack([component.numpy() for component in value.values])))
-        return rows
+        replica_state.assign_rows([self.variables[int(k.removeprefix("per_replica_"))] for k in keys],
+                                  [np.asarray(store[k]) for k in keys])
 
     def get_config(self):
         config = super().get_config()
@@ -318,21 +320,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
     return loss_scale.initial_state(config).scale
-
-
-def _assign_per_replica(variable, rows):
-    """Each local replica's saved value back into its own component.
-
-    Saved on another number of replicas, the window's total is kept: replica 0
-    gets the sum of the rows and the others zeros, so the next all-reduce sees
-    the same sum (rounded in another order).
-    """
-    value = variable.value
-    components = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
-    if len(rows) != len(components):
-        rows = [rows.sum(axis=0)] + [np.zeros_like(rows[0])] * (len(components) - 1)
-    for component, row in zip(components, rows):
-        component.assign(row)
 
 
 def own_clipping(optimizer) -> dict:

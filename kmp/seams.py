@@ -53,6 +53,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext",
         "kmp.LossScaleOptimizer: no tf.print or assert inside XLA",
     ),
+    "register_checkpoint_saver": (
+        "tensorflow.python.saved_model.registration", "register_checkpoint_saver",
+        "kmp.LossScaleOptimizer with accumulation: tf.train.Checkpoint saves every replica's open window",
+    ),
     "TFOptimizer": (
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",

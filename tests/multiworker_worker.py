@@ -2,12 +2,14 @@
 
 As a script (one process per worker, TF_CONFIG set by the test):
 
-    python tests/multiworker_worker.py OUT.json
+    python tests/multiworker_worker.py OUT.json WINDOW_DIR
 
 it resolves the strategy with `kmp.distribute.resolve_strategy()` (which must
 give MultiWorkerMirroredStrategy), records the errors of stock `fit()` and of
-`fit()` with only the first of prepare's two replacements, trains with
-`kmp.distribute.prepare`, and writes all that to OUT.json.
+`fit()` with only the first of prepare's two replacements, loads the open
+accumulation window saved in WINDOW_DIR by two replicas of one process,
+trains with `kmp.distribute.prepare`, resumes an accumulation window from
+kmp's BackupAndRestore (`resume_mid_window`), and writes all that to OUT.json.
 
 Imported as a file, `train(tf.distribute.get_strategy())` is the reference:
 the same model, data and global batches in one process.
@@ -126,6 +128,117 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
     }
 
 
+def resume_mid_window(strategy, directory) -> dict:
+    """kmp.backup.BackupAndRestore inside accumulation windows, under this strategy.
+
+    Windows of ACCUMULATION micro-batches, a backup every 5: the run is
+    interrupted after step 8 (the backup after step 5 is 2 micro-batches into
+    a window; step 7 overflows), resumed, interrupted after step 11 (backup
+    after 10: 1 micro-batch in), resumed to the end. Weights and optimizer
+    variables are compared byte for byte with an uninterrupted run. The
+    interrupted model, left mid-window, also tries `save_weights` and
+    `tf.train.Checkpoint`, which warn that they hold only this worker's sums.
+    """
+    import hashlib
+    import warnings
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import kmp
+    from kmp.backup import BackupAndRestore
+
+    batches = ROWS // GLOBAL_BATCH
+
+    class Interrupt(Exception):
+        pass
+
+    class InterruptAfter(keras.callbacks.Callback):
+        def __init__(self, step):
+            super().__init__()
+            self.step, self.epoch = step, 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch * batches + batch + 1 == self.step:
+                raise Interrupt()
+
+    def run(backup_dir, interrupt_after=None):
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        x, y = make_data()
+        with strategy.scope():
+            model = build_model(accumulation=ACCUMULATION)
+        kmp.prepare(model)
+        backup = BackupAndRestore(backup_dir, save_freq=5)
+        callbacks = [backup] + ([InterruptAfter(interrupt_after)] if interrupt_after else [])
+        try:
+            model.fit(make_dataset(x, y), epochs=EPOCHS, verbose=0, shuffle=False, callbacks=callbacks)
+        except Interrupt:
+            pass
+        return model, backup.restored
+
+    def state(model):
+        arrays = model.get_weights() + [v.numpy() for v in model.optimizer.variables]
+        return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest(), arrays
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    whole, _ = run(os.path.join(directory, "reference"))
+    backup_dir = os.path.join(directory, "backup")
+    first, _ = run(backup_dir, interrupt_after=8)
+    micro_steps = int(first.optimizer.accumulation.micro_steps.numpy())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first.save_weights(os.path.join(directory, f"worker{task}.weights.h5"))
+        tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(os.path.join(directory, f"ckpt{task}"))
+    _, second_restored = run(backup_dir, interrupt_after=11)
+    last, last_restored = run(backup_dir)
+    (whole_digest, whole_arrays), (last_digest, last_arrays) = state(whole), state(last)
+    return {
+        "micro_steps_at_interrupt": micro_steps,
+        "restored": [second_restored, last_restored],
+        "identical": all(a.tobytes() == b.tobytes() for a, b in zip(whole_arrays, last_arrays, strict=True)),
+        "max_difference": max(float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+                              for a, b in zip(whole_arrays, last_arrays)),
+        "digests": [whole_digest, last_digest],
+        "steps": int(last.optimizer.iterations.numpy()) + int(last.optimizer.skipped_steps.numpy()),
+        "skipped_steps": int(last.optimizer.skipped_steps.numpy()),
+        "save_warnings": [str(w.message)[:160] for w in caught if "open accumulation window" in str(w.message)],
+    }
+
+
+def load_window(strategy, directory) -> dict:
+    """Loads the open window that test_multiworker.py saved on two replicas of
+    one process (`m.weights.h5`, `ckpt-1`): each worker's replica must get the
+    rows of the replica with its index among all replicas."""
+    import keras
+    import tensorflow as tf
+
+    import kmp.replica_state
+
+    keras.config.set_dtype_policy("mixed_float16")
+    out = {}
+    for method in ("weights", "checkpoint"):
+        with strategy.scope():
+            model = build_model(accumulation=ACCUMULATION)
+            model.optimizer.build(model.trainable_variables)
+            if method == "weights":
+                model.load_weights(os.path.join(directory, "m.weights.h5"))
+            else:
+                tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(
+                    os.path.join(directory, "ckpt-1")).assert_existing_objects_matched()
+        accumulation = model.optimizer.accumulation
+        out[method] = {
+            "replica_ids": [int(i) for i in kmp.replica_state.replica_ids(strategy)],
+            "micro_steps": int(accumulation.micro_steps.numpy()),
+            "sums": [[c.numpy().tolist() for c in kmp.replica_state.components(v)] for v in accumulation.sums],
+        }
+    return out
+
+
 def local_rows(strategy) -> list[list[int]]:
     """The data rows this worker's replica receives, per step."""
     import numpy as np
@@ -176,12 +289,16 @@ def main(argv: list[str]) -> int:
         "stock_fit_error": fit_error(strategy),
         "symbolic_build_fix_only_error": fit_error(strategy, ["_maybe_symbolic_build"]),
     }
+    result["loaded_window"] = load_window(strategy, argv[1])
     result.update(train(strategy, prepare=True))
     result["accumulated"] = train(strategy, prepare=True, accumulation=ACCUMULATION)
     # Keras 3.15 fails for steps_per_execution > 1 under any multi-replica
     # strategy (keras-team/keras#19246); prepared, 6 batches an epoch run as
     # executions of 4 and 2 steps.
     result["four_steps_per_call"] = train(strategy, prepare=True, steps_per_execution=4)
+    # Last: op determinism (for the byte comparison) stays on once set.
+    tf.config.experimental.enable_op_determinism()
+    result["resume_mid_window"] = resume_mid_window(strategy, os.path.join(os.path.dirname(argv[0]), "mid-window"))
     with open(argv[0], "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

@@ -216,12 +216,84 @@ def test_resume_mid_window_under_mirrored_is_exact(two_replicas, tmp_path, save)
     assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 2
 
 
-def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replicas, tmp_path):
+def _save(model, method, path):
+    if method == "weights":
+        model.save_weights(str(path / "m.weights.h5"))
+    else:
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(path / "ckpt"))
+
+
+def _load(model, strategy, method, path):
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+        if method == "weights":
+            model.load_weights(str(path / "m.weights.h5"))
+        else:
+            prefix = tf.train.latest_checkpoint(str(path))
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(prefix).assert_existing_objects_matched()
+
+
+def _replica_sums(model):
+    """Each local replica's accumulation sums (one row on one device)."""
+    value = model.optimizer.accumulation.sums[0].value
+    return [c.numpy() for c in (value.values if isinstance(value, tf.distribute.DistributedValues) else [value])]
+
+
+@pytest.mark.parametrize("method", ["weights", "checkpoint"])
+def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replicas, tmp_path, method):
     cut = _accumulating_model(two_replicas)
     cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
-    total = sum(c.numpy() for c in cut.optimizer.accumulation.sums[0].value.values)
-    cut.save_weights(str(tmp_path / "m.weights.h5"))
+    first, second = _replica_sums(cut)
+    _save(cut, method, tmp_path)
     one = _accumulating_model(tf.distribute.get_strategy())
-    one.optimizer.build(one.trainable_variables)
-    one.load_weights(str(tmp_path / "m.weights.h5"))
-    np.testing.assert_allclose(one.optimizer.accumulation.sums[0].numpy(), total, rtol=1e-6)
+    _load(one, tf.distribute.get_strategy(), method, tmp_path)
+    assert int(one.optimizer.accumulation.micro_steps.numpy()) == 2
+    np.testing.assert_array_equal(_replica_sums(one), [first + second])  # float32, summed as saved
+
+
+@pytest.mark.parametrize("method", ["weights", "checkpoint"])
+def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replicas, tmp_path, method):
+    cut = _accumulating_model(tf.distribute.get_strategy())
+    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    (total,) = _replica_sums(cut)
+    assert np.abs(total).max() > 0
+    _save(cut, method, tmp_path)
+    two = _accumulating_model(two_replicas)
+    _load(two, two_replicas, method, tmp_path)
+    np.testing.assert_array_equal(_replica_sums(two), [total, np.zeros_like(total)])
+
+
+def test_checkpoint_restored_before_the_optimizer_is_built_gives_each_replica_its_sums(two_replicas, tmp_path):
+    """A deferred restore: the variables are restored as build() creates them,
+    the per-replica rows when build() tracks them, last."""
+    cut = _accumulating_model(two_replicas)
+    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    prefix = tf.train.Checkpoint(model=cut, optimizer=cut.optimizer).save(str(tmp_path / "ckpt"))
+    resumed = _accumulating_model(two_replicas)
+    assert not resumed.optimizer.built
+    status = tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(prefix)
+    with two_replicas.scope():
+        resumed.optimizer.build(resumed.trainable_variables)
+    status.assert_existing_objects_matched()
+    for ours, theirs in zip(_replica_sums(resumed), _replica_sums(cut), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_checkpoint_without_per_replica_rows_restores_as_before(two_replicas, tmp_path):
+    """A checkpoint written before `per_replica_window` existed (simulated by
+    untracking it: the rest of the layout is unchanged) restores replica 0's
+    sums into every replica, as it did, and matches every object."""
+    cut = _accumulating_model(two_replicas)
+    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    new = tf.train.Checkpoint(model=cut, optimizer=cut.optimizer).save(str(tmp_path / "new" / "ckpt"))
+    del cut.optimizer.per_replica_window
+    old = tf.train.Checkpoint(model=cut, optimizer=cut.optimizer).save(str(tmp_path / "old" / "ckpt"))
+    new_keys, old_keys = ({k for k, _ in tf.train.list_variables(p)} for p in (new, old))
+    assert new_keys - old_keys == {f"optimizer/per_replica_window/.PER_REPLICA/{i}" for i in range(5)}
+    assert old_keys <= new_keys
+    resumed = _accumulating_model(two_replicas)
+    with two_replicas.scope():
+        resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(old).assert_existing_objects_matched()
+    first = _replica_sums(cut)[0]
+    np.testing.assert_array_equal(_replica_sums(resumed), [first, first])

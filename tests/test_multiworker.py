@@ -1,8 +1,9 @@
 """MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1.
 
 Each worker (tests/multiworker_worker.py) has one CPU device, so the cluster
-has two replicas. One launch serves every test here (about 20 s on two
-cores). The workers are killed when one fails or the deadline passes, and
+has two replicas. One launch serves every test here (about 60 s on two
+cores, half of it for kmp.backup.BackupAndRestore resuming inside an
+accumulation window). The workers are killed when one fails or the deadline passes, and
 their collectives time out on their own, so a failure cannot hang the suite.
 """
 
@@ -49,7 +50,7 @@ def _free_ports(count):
             s.close()
 
 
-def _run_workers(directory: Path, count: int = 2) -> list[dict]:
+def _run_workers(directory: Path, window_dir: Path, count: int = 2) -> list[dict]:
     addresses = [f"127.0.0.1:{port}" for port in _free_ports(count)]
     processes, logs = [], []
     for index in range(count):
@@ -61,7 +62,7 @@ def _run_workers(directory: Path, count: int = 2) -> list[dict]:
         logs.append(log)
         out = directory / f"worker{index}.json"
         processes.append(subprocess.Popen(
-            [sys.executable, str(_WORKER), str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
+            [sys.executable, str(_WORKER), str(out), str(window_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
         ))
     deadline = time.monotonic() + _DEADLINE_S
     try:
@@ -88,8 +89,32 @@ def _run_workers(directory: Path, count: int = 2) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    return _run_workers(tmp_path_factory.mktemp("multiworker"))
+def mirrored_window(tmp_path_factory, two_replicas):
+    """An accumulation window left open (2 of 3 micro-batches) on two replicas
+    of this process, saved as `.weights.h5` and `tf.train.Checkpoint`; each
+    replica's sums of the first kernel."""
+    directory = tmp_path_factory.mktemp("window")
+    policy = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        x, y = worker.make_data()
+        with two_replicas.scope():
+            model = worker.build_model(accumulation=worker.ACCUMULATION)
+        model.fit(worker.make_dataset(x, y).take(2), epochs=1, verbose=0, shuffle=False)
+        model.save_weights(str(directory / "m.weights.h5"))
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(directory / "ckpt"))
+        sums = [c.numpy() for c in model.optimizer.accumulation.sums[0].value.values]
+    finally:
+        keras.config.set_dtype_policy(policy)
+    assert int(model.optimizer.accumulation.micro_steps.numpy()) == 2
+    assert not np.array_equal(sums[0], sums[1])
+    return directory, sums
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, mirrored_window):
+    return _run_workers(tmp_path_factory.mktemp("multiworker"), mirrored_window[0])
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +220,44 @@ def test_several_steps_per_execution_train_as_one_step_per_call(workers):
         np.testing.assert_allclose(four["loss"], w["loss"], rtol=1e-6)
         for a, b in zip(four["weights"], w["weights"]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_backup_and_restore_resumes_an_open_window_bit_for_bit(workers):
+    """kmp.backup.BackupAndRestore gathers every worker's window sums: a job
+    interrupted after step 8 (backup after step 5, 2 micro-batches into a
+    window of 3, with the overflow of step 7 in the span redone), then after
+    step 11 (backup after step 10, 1 micro-batch in), ends byte-identical to
+    the uninterrupted job, on both workers."""
+    batches = worker.ROWS // worker.GLOBAL_BATCH
+    for w in workers:
+        run = w["resume_mid_window"]
+        assert run["micro_steps_at_interrupt"] == 8 % worker.ACCUMULATION
+        assert run["restored"] == [{"epoch": 0, "batch": 5, "total": 5}, {"epoch": 1, "batch": 4, "total": 10}]
+        assert run["steps"] == worker.EPOCHS * batches // worker.ACCUMULATION
+        assert run["skipped_steps"] == 2  # the windows holding each epoch's first batch
+        assert run["identical"], f"max abs difference {run['max_difference']}"
+        assert run["digests"][0] == run["digests"][1]
+    assert workers[0]["resume_mid_window"]["digests"] == workers[1]["resume_mid_window"]["digests"]
+
+
+def test_a_save_of_an_open_window_warns_that_it_holds_one_workers_sums(workers):
+    for w in workers:
+        messages = w["resume_mid_window"]["save_warnings"]
+        assert len(messages) == 2, messages  # save_weights, then tf.train.Checkpoint
+        assert messages[0].startswith("kmp: model.save / save_weights saves an open accumulation window under "
+                                      "MultiWorkerMirroredStrategy")
+        assert messages[1].startswith("kmp: tf.train.Checkpoint saves an open accumulation window")
+
+
+@pytest.mark.parametrize("method", ["weights", "checkpoint"])
+def test_a_window_saved_by_two_replicas_of_one_process_loads_into_two_workers(workers, mirrored_window, method):
+    """Each worker's replica takes the row of the replica with its index among
+    all replicas (not its local position, 0 on both workers, which would give
+    both of them replica 0's sums)."""
+    _, sums = mirrored_window
+    assert sorted(w["loaded_window"][method]["replica_ids"][0] for w in workers) == [0, 1]
+    for w in workers:
+        loaded = w["loaded_window"][method]
+        (replica,) = loaded["replica_ids"]
+        assert loaded["micro_steps"] == 2
+        np.testing.assert_array_equal(np.asarray(loaded["sums"][0][0], np.float32), sums[replica])

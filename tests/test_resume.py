@@ -74,8 +74,6 @@ def _save_and_restore(method, model, strategy, accumulation, tmp_path):
 @pytest.mark.parametrize("accumulation", [None, 3])
 @pytest.mark.parametrize("distributed", [False, True])
 def test_resumed_run_is_bit_identical(two_replicas, tmp_path, method, accumulation, distributed):
-    if method == "checkpoint" and accumulation and distributed:
-        pytest.xfail("tf.train.Checkpoint saves replica 0's partial sums only (docs/accumulation.md)")
     strategy = two_replicas if distributed else tf.distribute.get_strategy()
     whole = _model(strategy, accumulation)
     _fit(whole, 0, STEPS)

@@ -39,6 +39,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmp
 from kmp.backup import BackupAndRestore, BackupError, read_backup
@@ -404,20 +405,41 @@ def test_several_interruptions_resume_bit_for_bit(two_replicas, in_process_refer
     assert not directory.exists()
 
 
-def test_a_backup_due_inside_an_accumulation_window_waits_for_it_to_close(two_replicas, tmp_path):
-    """Windows of 3 micro-batches: the backup due after batch 5 is taken after
-    batch 6, when the window has closed (its partial sums are each replica's).
-    The resumed run drops all of epoch 0's batches and goes on with epoch 1."""
-    reference = _fit(two_replicas, BackupAndRestore(tmp_path / "reference", save_freq=5), accumulation=3)
+@pytest.fixture(scope="module")
+def accumulated_references(tmp_path_factory):
+    """{strategy: the uninterrupted run with windows of 3}, computed when first asked for."""
+    runs = {}
+
+    def reference(strategy):
+        if strategy not in runs:
+            runs[strategy] = _fit(strategy, BackupAndRestore(tmp_path_factory.mktemp("reference") / "b", save_freq=5),
+                                  accumulation=3)
+        return runs[strategy]
+
+    return reference
+
+
+@pytest.mark.parametrize("distributed, interrupt_at, backup", [
+    (True, 8, (0, 5, 5)), (True, 12, (1, 4, 10)), (True, 17, (2, 3, 15)), (False, 8, (0, 5, 5)),
+])
+def test_a_backup_inside_an_accumulation_window_resumes_it_bit_for_bit(two_replicas, accumulated_references, tmp_path,
+                                                                       distributed, interrupt_at, backup):
+    """Windows of 3 micro-batches, backups after batches 5, 10 and 15: the
+    first two fall inside a window (2 and 1 micro-batches in, each replica
+    holding its own partial sums, which come back to it); the overflow of the
+    first batch of epochs 1 and 2 (steps 7, 13) is inside the span redone."""
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    reference = accumulated_references(strategy)
     directory = tmp_path / "backup"
-    assert _fit(two_replicas, BackupAndRestore(directory, save_freq=5), interrupt_at=8, accumulation=3) is None
+    assert _fit(strategy, BackupAndRestore(directory, save_freq=5), interrupt_at=interrupt_at,
+                accumulation=3) is None
     found = read_backup(directory)
-    assert (found["epoch"], found["batch"], found["total"]) == (0, 6, 6)  # after epoch 0's last batch
-    resumed = _fit(two_replicas, BackupAndRestore(directory, save_freq=5), accumulation=3)
+    assert (found["epoch"], found["batch"], found["total"]) == backup
+    resumed = _fit(strategy, BackupAndRestore(directory, save_freq=5), accumulation=3)
     assert resumed["steps"] == reference["steps"] == TOTAL_STEPS // 3
     for ours, theirs in zip(resumed["arrays"], reference["arrays"], strict=True):
         assert ours.tobytes() == theirs.tobytes()
-    assert resumed["loss"] == reference["loss"]  # epoch 0 too: its batches dropped, its metrics restored
+    assert resumed["loss"] == reference["loss"][backup[0]:]  # the resumed epoch's metrics restored
 
 
 def test_keras_backup_and_restore_resumes_at_the_wrong_step(two_replicas, in_process_reference, tmp_path):
