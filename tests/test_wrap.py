@@ -176,7 +176,8 @@ def test_no_accumulation_machinery_when_one_micro_batch():
     # Spelled out as 1 (11 of the corpus's loaded files do) is no accumulation
     # either: no extra float32 copy of every parameter.
     assert kmp.wrap(inner, {"train_batch_size": 32, "gradient_accumulation_steps": 1}) is inner
-    assert kmp.wrap(inner, gradient_accumulation_steps=1) is inner
+    # Asked for by keyword, at any value, the machinery is on (GradientAccumulationScheduler needs it).
+    assert kmp.wrap(keras.optimizers.SGD(), gradient_accumulation_steps=1).accumulation.initial_steps == 1
     keras.config.set_dtype_policy("mixed_float16")
     assert kmp.wrap(keras.optimizers.SGD(), {"gradient_accumulation_steps": 1}).accumulation is None
 
