@@ -307,7 +307,8 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
     """(the Config, the warnings to give) for a parsed file; raises one ConfigError for every problem."""
     if not isinstance(raw, Mapping):
         check([Problem("(top level)", "a JSON object {...}", raw)], name)
-    problems = list(problems or [])
+    auto_problems = list(problems or [])
+    problems = list(auto_problems)
     ignored: list[str] = []
     unknown: list[str] = []
     # "bfloat16" is DeepSpeed's old name of the bf16 block; report paths as the user spelled them.
@@ -414,8 +415,9 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
                     expected = expected.replace(f"{field_name}=", f"{path_of(other_row.key)}=")
             p = Problem(path, expected, shown, fix.strip())
         problems.append(p)
-    seen: set[str] = set()  # an "auto" kmp could not fill is reported once, by kmp.auto
-    problems = [p for p in problems if not (p.path in seen or seen.add(p.path))]
+    # An "auto" kmp could not fill is reported once, by kmp.auto, not again as a value of the wrong type.
+    unfilled = {p.path for p in auto_problems}
+    problems = auto_problems + [p for p in problems[len(auto_problems):] if p.path not in unfilled]
     check(problems, name)
     if unknown:
         notes.insert(0, f"The {name} has keys neither kmp nor DeepSpeed knows; both ignore them: "
