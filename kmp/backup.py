@@ -439,18 +439,7 @@ def _per_replica_reader(strategy, variables):
         return lambda: np.zeros((strategy.num_replicas_in_sync, 0))
     if not isinstance(variables[0].value, tf.distribute.DistributedValues):
         return lambda: np.concatenate([_read(v).astype(np.float64).ravel() for v in variables])[None]
-
-    @tf.autograph.experimental.do_not_convert
-    def local():
-        # Replica context: each variable reads this replica's own component.
-        parts = [tf.reshape(tf.cast(tf.convert_to_tensor(v.value), tf.float64), [-1]) for v in variables]
-        return tf.expand_dims(tf.concat(parts, 0), 0)
-
-    @tf.function
-    @tf.autograph.experimental.do_not_convert
-    def gather():
-        return strategy.gather(strategy.run(local), axis=0)
-
+    gather = replica_state.gather_rows(strategy, variables, tf.float64)
     return lambda: gather().numpy()
 
 

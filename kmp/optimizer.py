@@ -286,20 +286,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
 
     def save_own_variables(self, store):
-        """Keras's format (one value per variable), plus each local replica's own
+        """Keras's format (one value per variable), plus every replica's own
         accumulation state under `per_replica_<index>`: Keras would save replica
         0's partial sums for every replica (.keras, .weights.h5, ModelCheckpoint).
+        Under several workers, inside a window, the rows are gathered from every
+        worker, so every worker must call the save (kmp.replica_state).
         tf.train.Checkpoint saves them through `per_replica_window`."""
         super().save_own_variables(store)
         if self.accumulation is None or not self.built:
             return
-        replica_state.warn_if_incomplete(self.accumulation.micro_steps, "model.save / save_weights")
         # On one device too (one row): loaded on several replicas, the sums
         # then go to the first replica only, not to each.
-        local = {id(v) for v in self.accumulation.local_state()}
+        rows = {id(v): r for v, r in zip(self.accumulation.local_state(), self.per_replica_window.rows(), strict=True)}
         for index, variable in enumerate(self.variables):
-            if id(variable) in local:
-                store[f"per_replica_{index}"] = replica_state.read_rows(variable).numpy()
+            if id(variable) in rows:
+                store[f"per_replica_{index}"] = rows[id(variable)].numpy()
 
     def load_own_variables(self, store):
         keys = [k for k in store.keys() if k.startswith("per_replica_")]

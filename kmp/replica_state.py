@@ -2,10 +2,13 @@
 
 An open accumulation window holds each replica's partial sums (kmp.accumulate:
 nothing is communicated until the window closes). Keras and TensorFlow save
-one value per variable, replica 0's. kmp saves every local replica's rows
-beside it and puts them back after the ordinary restore:
+one value per variable, replica 0's. kmp saves every replica's rows beside
+it and puts them back after the ordinary restore:
 
-    save:    rows = stack(value on each local replica)      # [local replicas, ...]
+    save:    if several workers and the window is open:
+                 rows = all_gather(value on each replica)    # [replicas, ...]; every worker saves
+             else:
+                 rows = stack(value on each local replica)   # [local replicas, ...]
     restore: if len(rows) == replicas: replica i <- rows[i]  # i: its index among all replicas
              else: replica 0 <- sum(rows); the others <- 0  # the window's total is kept
 
@@ -20,17 +23,20 @@ beside it and puts them back after the ordinary restore:
   it existed) restores as before, and `assert_existing_objects_matched()`
   still passes on it.
 
-Under MultiWorkerMirroredStrategy each worker holds (and saves) only its own
-replicas' rows; gathering them needs a collective that every worker joins,
-which a save cannot count on (a chief-only `model.save` would wait forever).
-kmp.callbacks.BackupAndRestore gathers them itself (every worker takes part
-in its backups). The saves here warn when they write an open window that
-way.
+Under MultiWorkerMirroredStrategy the gather is a collective, so a save of an
+open window must be called on every worker, at the same step. That is
+TensorFlow's rule for multi-worker saving (its multi-worker Keras tutorial:
+every worker saves, non-chief workers to a temporary path, because a save may
+aggregate variables, as it does for SyncOnRead variables), and Keras 3.15's
+ModelCheckpoint and BackupAndRestore call save on every worker. Every
+worker's file then holds every replica's rows. A save called on the chief
+alone inside a window waits for the others (until the strategy's collective
+timeout, if one is set). A closed window is not gathered: its sums are zero
+on every replica and every worker sees the same window position, so a
+chief-only save at a window boundary works, and is exact, as before.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -95,26 +101,45 @@ def assign_rows(variables, rows) -> None:
             component.assign(tf.cond(same, lambda: tf.gather(saved, index), lambda: kept))
 
 
-def warn_if_incomplete(micro_steps, how: str) -> None:
-    """Under several workers, a save of an open window holds only this worker's sums."""
+def gather_rows(strategy, variables, dtype=tf.float32):
+    """A function returning every replica's own values of `variables`, one
+    row per replica in replica order: [replicas, total size] of `dtype`.
+
+    One all-gather per call (a collective under several workers: every worker
+    must call it at the same point), traced once: TensorFlow's eager gather
+    traces anew at every call.
+    """
+
+    @tf.autograph.experimental.do_not_convert
+    def local():
+        # Replica context: each variable reads this replica's own component.
+        parts = [tf.reshape(tf.cast(tf.convert_to_tensor(v.value), dtype), [-1]) for v in variables]
+        return tf.expand_dims(tf.concat(parts, 0), 0)
+
+    @tf.function
+    @tf.autograph.experimental.do_not_convert
+    def gather():
+        return strategy.gather(strategy.run(local), axis=0)
+
+    return gather
+
+
+def _across_workers(micro_steps) -> bool:
+    """Whether a save must gather the rows of other workers: an open window
+    under several workers, saved eagerly (a save traced into a function, as a
+    SavedModel's, reads no value and writes this worker's rows)."""
     strategy = getattr(micro_steps.value, "distribute_strategy", None)  # None: not distributed
-    if strategy is None or not tf.executing_eagerly():  # a save traced into a function (SavedModel) reads no value
-        return
+    if strategy is None or not tf.executing_eagerly():
+        return False
     if not seams.get("collective_all_reduce_multi_worker")(strategy):
-        return
-    if int(np.asarray(micro_steps.numpy())) == 0:
-        return
-    warnings.warn(
-        f"kmp: {how} saves an open accumulation window under MultiWorkerMirroredStrategy: each worker holds "
-        "its own replicas' partial sums and this file gets only this worker's, so a run resumed from it is "
-        "not exact. Save when the window has closed (a save_freq that is a multiple of "
-        "gradient_accumulation_steps), or use kmp.callbacks.BackupAndRestore, which gathers every worker's.",
-        stacklevel=3,
-    )
+        return False
+    # The same on every worker (every replica counts the same micro-batches),
+    # so all of them gather, or none.
+    return int(np.asarray(micro_steps.numpy())) != 0
 
 
 class PerReplicaWindow(tf.__internal__.tracking.Trackable):
-    """The `tf.train.Checkpoint` entry for every local replica's accumulation state.
+    """The `tf.train.Checkpoint` entry for every replica's accumulation state.
 
     `local_state()` returns the optimizer's local-state variables (sums,
     weight sum) in a fixed order; each is saved as one stacked tensor.
@@ -124,6 +149,20 @@ class PerReplicaWindow(tf.__internal__.tracking.Trackable):
         _register()
         self.local_state = local_state
         self.micro_steps = micro_steps
+        self._gather = None  # traced at the first save that gathers
+
+    def rows(self) -> list[tf.Tensor]:
+        """Each local-state variable's rows to save, [replicas saved, *shape]:
+        under several workers with an open window, every replica's, gathered
+        (every worker must save); otherwise this worker's."""
+        variables = self.local_state()
+        if not _across_workers(self.micro_steps):
+            return [read_rows(v) for v in variables]
+        if self._gather is None:
+            self._gather = gather_rows(self.micro_steps.value.distribute_strategy, variables)
+        rows = self._gather()  # float32, as the sums and the weight sum are
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        return [tf.reshape(part, [-1, *v.shape]) for part, v in zip(tf.split(rows, sizes, axis=1), variables)]
 
 
 def _register() -> None:
@@ -144,9 +183,8 @@ def _save(trackables, file_prefix):
     """TensorFlow's registered-saver save_fn: one stacked tensor per local-state variable."""
     names, tensors = [], []
     for object_name, window in trackables.items():
-        warn_if_incomplete(window.micro_steps, "tf.train.Checkpoint")
         names += _keys(object_name, window)
-        tensors += [read_rows(v) for v in window.local_state()]
+        tensors += window.rows()
     with tf.device("CPU:0"):
         tf.raw_ops.SaveV2(prefix=file_prefix, tensor_names=names, shape_and_slices=[""] * len(names),
                           tensors=tensors)

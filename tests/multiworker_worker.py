@@ -129,24 +129,35 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
 
 
 def resume_mid_window(strategy, directory) -> dict:
-    """kmp.backup.BackupAndRestore inside accumulation windows, under this strategy.
+    """Resuming inside accumulation windows, under this strategy, with each save method.
 
-    Windows of ACCUMULATION micro-batches, a backup every 5: the run is
-    interrupted after step 8 (the backup after step 5 is 2 micro-batches into
-    a window; step 7 overflows), resumed, interrupted after step 11 (backup
-    after 10: 1 micro-batch in), resumed to the end. Weights and optimizer
-    variables are compared byte for byte with an uninterrupted run. The
-    interrupted model, left mid-window, also tries `save_weights` and
-    `tf.train.Checkpoint`, which warn that they hold only this worker's sums.
+    Windows of ACCUMULATION micro-batches. The first run is interrupted after
+    step 8; after step 5 (2 micro-batches into a window; step 1's window
+    overflowed) it saves on every worker, as TensorFlow's multi-worker guide
+    says (the chief to SAVES, the others to SAVES/workertemp_<task>):
+    kmp.backup.BackupAndRestore (save_freq=5), Keras's ModelCheckpoint
+    (`.weights.h5` and `.keras`), `tf.train.Checkpoint`, and the last three
+    once more with kmp's gather of the other workers' window sums switched
+    off (`control-`, what kmp wrote before it gathered). Then:
+
+    - BackupAndRestore: resumed, interrupted after step 11 (backup after 10:
+      1 micro-batch in), resumed to the end;
+    - every other file: a new model loads the chief's file on every worker
+      and trains steps 6 to 12 (the overflow of step 7 among them); of the
+      control files, only the `.weights.h5` is trained on, the others are
+      loaded only.
+
+    Weights and optimizer variables are compared byte for byte with an
+    uninterrupted run.
     """
     import hashlib
-    import warnings
 
     import keras
     import numpy as np
     import tensorflow as tf
 
     import kmp
+    import kmp.replica_state
     from kmp.backup import BackupAndRestore
 
     batches = ROWS // GLOBAL_BATCH
@@ -166,7 +177,7 @@ def resume_mid_window(strategy, directory) -> dict:
             if self.epoch * batches + batch + 1 == self.step:
                 raise Interrupt()
 
-    def run(backup_dir, interrupt_after=None):
+    def run(backup_dir, interrupt_after=None, more_callbacks=()):
         keras.config.set_dtype_policy("mixed_float16")
         keras.utils.set_random_seed(0)
         x, y = make_data()
@@ -174,7 +185,7 @@ def resume_mid_window(strategy, directory) -> dict:
             model = build_model(accumulation=ACCUMULATION)
         kmp.prepare(model)
         backup = BackupAndRestore(backup_dir, save_freq=5)
-        callbacks = [backup] + ([InterruptAfter(interrupt_after)] if interrupt_after else [])
+        callbacks = [backup, *more_callbacks] + ([InterruptAfter(interrupt_after)] if interrupt_after else [])
         try:
             model.fit(make_dataset(x, y), epochs=EPOCHS, verbose=0, shuffle=False, callbacks=callbacks)
         except Interrupt:
@@ -186,28 +197,131 @@ def resume_mid_window(strategy, directory) -> dict:
         return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest(), arrays
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    saves = os.path.join(directory, "saves")
+    mine = saves if task == 0 else os.path.join(saves, f"workertemp_{task}")  # the guide's write_filepath
+    os.makedirs(mine, exist_ok=True)
+    names = {"weights": "m.weights.h5", "keras": "m.keras", "checkpoint": "ckpt"}
+
+    def write(model, where, suffix=""):
+        model.save_weights(os.path.join(where, f"{suffix}{names['weights']}"))
+        model.save(os.path.join(where, f"{suffix}{names['keras']}"))
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        checkpoint.write(os.path.join(where, suffix + names["checkpoint"]))
+
+    def window(model):
+        """This worker's window: micro-batches in it and each replica's sums."""
+        accumulation = model.optimizer.accumulation
+        return {"micro_steps": int(accumulation.micro_steps.numpy()),
+                "sums": [c.numpy() for v in accumulation.local_state() for c in kmp.replica_state.components(v)]}
+
+    class SaveAfter(InterruptAfter):
+        """tf.train.Checkpoint, and the control files, after step `step`, on every worker."""
+
+        saved = None  # this worker's window when it saved
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch * batches + batch + 1 != self.step:
+                return
+            tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer).write(
+                os.path.join(mine, names["checkpoint"]))
+            across = kmp.replica_state._across_workers
+            kmp.replica_state._across_workers = lambda micro_steps: False  # kmp before it gathered
+            try:
+                write(self.model, mine, "control-")
+            finally:
+                kmp.replica_state._across_workers = across
+            self.saved = window(self.model)
+
+    def resume_from(method, prefix="", train=True):
+        """A new model, the chief's file loaded on every worker, trained from step 6 to the end."""
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        x, y = make_data()
+        path = os.path.join(saves, prefix + names[method])
+        with strategy.scope():
+            if method == "keras":
+                model = keras.models.load_model(path)
+            else:
+                model = build_model(accumulation=ACCUMULATION)
+                model.optimizer.build(model.trainable_variables)
+                if method == "weights":
+                    model.load_weights(path)
+                else:
+                    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+                    checkpoint.read(path).assert_existing_objects_matched()
+        loaded = window(model)
+        if not train:
+            return None, loaded
+        kmp.prepare(model)
+        # One fit() of the global batches left: the last of epoch 1, then epoch 2.
+        rest = np.concatenate([np.arange(5 * GLOBAL_BATCH, ROWS), np.arange(ROWS)])
+        model.fit(make_dataset(x[rest], y[rest]), epochs=1, verbose=0, shuffle=False)
+        return model, loaded
+
+    def compared(model, reference):
+        (digest, arrays), (reference_digest, reference_arrays) = state(model), state(reference)
+        return {
+            "identical": all(a.tobytes() == b.tobytes() for a, b in zip(reference_arrays, arrays, strict=True)),
+            "max_difference": max(float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+                                  for a, b in zip(reference_arrays, arrays)),
+            "digests": [reference_digest, digest],
+            "steps": int(model.optimizer.iterations.numpy()) + int(model.optimizer.skipped_steps.numpy()),
+            "skipped_steps": int(model.optimizer.skipped_steps.numpy()),
+        }
+
+    def rows_in_files(prefix=""):
+        """How many replicas' rows each accumulation variable has in this worker's `prefix` files."""
+        import h5py
+
+        with h5py.File(os.path.join(mine, prefix + names["weights"]), "r") as f:
+            weights = [f["optimizer/vars"][k].shape[0] for k in f["optimizer/vars"] if k.startswith("per_replica_")]
+        checkpoint = tf.train.list_variables(os.path.join(mine, prefix + names["checkpoint"]))
+        return {"weights": weights, "checkpoint": [shape[0] for name, shape in checkpoint if ".PER_REPLICA/" in name]}
+
     whole, _ = run(os.path.join(directory, "reference"))
     backup_dir = os.path.join(directory, "backup")
-    first, _ = run(backup_dir, interrupt_after=8)
+    save_after = SaveAfter(5)
+    checkpoints = [keras.callbacks.ModelCheckpoint(os.path.join(mine, names["weights"]), save_weights_only=True,
+                                                   save_freq=5),
+                   keras.callbacks.ModelCheckpoint(os.path.join(mine, names["keras"]), save_freq=5)]
+    first, _ = run(backup_dir, interrupt_after=8, more_callbacks=checkpoints + [save_after])
     micro_steps = int(first.optimizer.accumulation.micro_steps.numpy())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first.save_weights(os.path.join(directory, f"worker{task}.weights.h5"))
-        tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(os.path.join(directory, f"ckpt{task}"))
     _, second_restored = run(backup_dir, interrupt_after=11)
     last, last_restored = run(backup_dir)
-    (whole_digest, whole_arrays), (last_digest, last_arrays) = state(whole), state(last)
-    return {
+    # At a window boundary nothing is gathered: the chief may save alone (as
+    # a "save on the chief" script does). Were it a collective, the chief
+    # would wait here for worker 1, which goes on to the barrier below.
+    boundary = {"micro_steps": int(last.optimizer.accumulation.micro_steps.numpy())}
+    if task == 0:
+        last.save_weights(os.path.join(saves, "boundary." + names["weights"]))
+        checkpoint = tf.train.Checkpoint(model=last, optimizer=last.optimizer)
+        checkpoint.write(os.path.join(saves, "boundary." + names["checkpoint"]))
+        boundary.update(rows_in_files("boundary."))
+    boundary["barrier"] = float(strategy.reduce(
+        "SUM", strategy.experimental_distribute_values_from_function(lambda _: tf.constant(1.0)), axis=None))
+    out = {
         "micro_steps_at_interrupt": micro_steps,
         "restored": [second_restored, last_restored],
-        "identical": all(a.tobytes() == b.tobytes() for a, b in zip(whole_arrays, last_arrays, strict=True)),
-        "max_difference": max(float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
-                              for a, b in zip(whole_arrays, last_arrays)),
-        "digests": [whole_digest, last_digest],
-        "steps": int(last.optimizer.iterations.numpy()) + int(last.optimizer.skipped_steps.numpy()),
-        "skipped_steps": int(last.optimizer.skipped_steps.numpy()),
-        "save_warnings": [str(w.message)[:160] for w in caught if "open accumulation window" in str(w.message)],
+        **compared(last, whole),
+        "micro_steps_at_save": save_after.saved["micro_steps"],
+        "rows_in_files": rows_in_files(),
+        "rows_in_control_files": rows_in_files("control-"),
+        "chief_alone_at_a_boundary": boundary,
+        "saved": {},
     }
+    for method in names:
+        # The control files are loaded only; one of them is also trained on to the end.
+        for prefix, train in (("", True), ("control-", method == "weights")):
+            resumed, loaded = resume_from(method, prefix, train)
+            out["saved"][prefix + method] = {
+                **(compared(resumed, whole) if train else {}),
+                "loaded_micro_steps": loaded["micro_steps"],
+                # This worker's replicas got back the sums they had when the file was written.
+                "own_sums_back": all(np.array_equal(a, b) for a, b in zip(save_after.saved["sums"], loaded["sums"],
+                                                                           strict=True)),
+                "zero_sums_back": not any(np.any(a) for a in loaded["sums"]),
+            }
+    return out
 
 
 def load_window(strategy, directory) -> dict:

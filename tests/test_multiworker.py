@@ -1,10 +1,11 @@
 """MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1.
 
 Each worker (tests/multiworker_worker.py) has one CPU device, so the cluster
-has two replicas. One launch serves every test here (about 60 s on two
-cores, half of it for kmp.backup.BackupAndRestore resuming inside an
-accumulation window). The workers are killed when one fails or the deadline passes, and
-their collectives time out on their own, so a failure cannot hang the suite.
+has two replicas. One launch serves every test here (about 105 s on two
+cores shared with other jobs, load average ~3; 90 s before the save methods
+were resumed inside a window). The workers are killed when one fails or the
+deadline passes, and their collectives time out on their own, so a failure
+cannot hang the suite.
 """
 
 import importlib.util
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 _ROOT = Path(__file__).resolve().parent.parent
 _WORKER = Path(__file__).resolve().parent / "multiworker_worker.py"
-_DEADLINE_S = 150
+_DEADLINE_S = 240
 
 
 def _load_worker_module():
@@ -240,13 +241,63 @@ def test_backup_and_restore_resumes_an_open_window_bit_for_bit(workers):
     assert workers[0]["resume_mid_window"]["digests"] == workers[1]["resume_mid_window"]["digests"]
 
 
-def test_a_save_of_an_open_window_warns_that_it_holds_one_workers_sums(workers):
+def test_a_save_inside_a_window_holds_every_workers_rows(workers):
+    """Saved on every worker 2 micro-batches into a window, each worker's
+    `.weights.h5` and `tf.train.Checkpoint` (the chief's and worker 1's
+    temporary one) hold both replicas' rows of each accumulation variable;
+    without kmp's gather, only the writing worker's row."""
+    variables = 5  # the sums of 2 kernels and 2 biases, the weight sum
     for w in workers:
-        messages = w["resume_mid_window"]["save_warnings"]
-        assert len(messages) == 2, messages  # save_weights, then tf.train.Checkpoint
-        assert messages[0].startswith("kmp: model.save / save_weights saves an open accumulation window under "
-                                      "MultiWorkerMirroredStrategy")
-        assert messages[1].startswith("kmp: tf.train.Checkpoint saves an open accumulation window")
+        run = w["resume_mid_window"]
+        assert run["micro_steps_at_save"] == 5 % worker.ACCUMULATION
+        assert run["rows_in_files"] == {"weights": [2] * variables, "checkpoint": [2] * variables}
+        assert run["rows_in_control_files"] == {"weights": [1] * variables, "checkpoint": [1] * variables}
+
+
+def test_at_a_window_boundary_the_chief_may_save_alone(workers):
+    """A closed window is not gathered (its sums are zero everywhere): the
+    chief's `save_weights` and `tf.train.Checkpoint` alone return, hold its
+    own row, and both workers meet at the next collective."""
+    variables = 5
+    chief, other = (w["resume_mid_window"]["chief_alone_at_a_boundary"] for w in workers)
+    assert chief["micro_steps"] == other["micro_steps"] == 0
+    assert chief["weights"] == chief["checkpoint"] == [1] * variables
+    assert chief["barrier"] == other["barrier"] == 2.0
+
+
+@pytest.mark.parametrize("method", ["weights", "keras", "checkpoint"])
+def test_a_save_inside_a_window_resumes_bit_for_bit_on_every_worker(workers, method):
+    """Keras's ModelCheckpoint (`.weights.h5`, `.keras`) and `tf.train.Checkpoint`,
+    called on every worker after step 5 (2 micro-batches into a window of 3,
+    after step 1's overflow), loaded from the chief's file by a new model on
+    each worker, which trains steps 6 to 12 (step 7 overflows): the job ends
+    byte-identical to the uninterrupted one, on both workers."""
+    batches = worker.ROWS // worker.GLOBAL_BATCH
+    for w in workers:
+        saved = w["resume_mid_window"]["saved"][method]
+        assert saved["loaded_micro_steps"] == 2
+        assert saved["own_sums_back"]  # each worker's replica took back its own row
+        assert saved["steps"] == worker.EPOCHS * batches // worker.ACCUMULATION
+        assert saved["skipped_steps"] == 2
+        assert saved["identical"], f"max abs difference {saved['max_difference']}"
+    assert workers[0]["resume_mid_window"]["saved"][method]["digests"] == \
+        workers[1]["resume_mid_window"]["saved"][method]["digests"]
+
+
+@pytest.mark.parametrize("method", ["weights", "keras", "checkpoint"])
+def test_without_the_gather_worker_1_loses_its_sums_and_the_job_ends_elsewhere(workers, method):
+    """The control: the same saves with kmp's gather switched off (each worker
+    writes its own rows, as kmp did before). Loaded on two workers, replica 0
+    takes the chief's row and replica 1 zeros, so worker 1's partial sums are
+    lost; trained on (`.weights.h5`), the job ends elsewhere: the test above
+    can fail."""
+    first, second = (w["resume_mid_window"]["saved"]["control-" + method] for w in workers)
+    assert first["loaded_micro_steps"] == second["loaded_micro_steps"] == 2
+    assert first["own_sums_back"] and not first["zero_sums_back"]
+    assert not second["own_sums_back"] and second["zero_sums_back"]
+    if method == "weights":
+        assert not first["identical"] and not second["identical"]
+        assert first["max_difference"] > 0
 
 
 @pytest.mark.parametrize("method", ["weights", "checkpoint"])
