@@ -10,6 +10,7 @@ from kmp.deepspeed import load_config, resolve_batch_sizes, to_deepspeed
 from kmp.backup import BackupError
 from kmp.errors import ConfigError, KmpError, LossScaleError
 from kmp.optimizer import LossScaleOptimizer
+from kmp.overflow_layer import find_overflow
 from kmp.precision import (
     Hardware,
     Precision,
@@ -38,6 +39,7 @@ __all__ = [
     "callbacks",
     "distribute",
     "check_hardware",
+    "find_overflow",
     "float32_output",
     "load_config",
     "precision_scope",
