@@ -31,6 +31,7 @@ _HOMES = {
     "LossScaleOptimizer": "kmp.optimizer",
     "Precision": "kmp.precision",
     "add_config_arguments": "kmp.arguments",
+    "find_overflow": "kmp.overflow_layer",
     "callbacks": None,
     "distribute": None,
     "check_hardware": "kmp.precision",

@@ -68,7 +68,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kmp import loss_scale, overflow, values
+from kmp import loss_scale, overflow, overflow_layer, values
 from kmp.backup import BackupAndRestore
 from kmp.errors import LossScaleError, Problem, check
 from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
@@ -104,8 +104,9 @@ class _Probe:
     only when that execution could be stuck.
     """
 
-    def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int):
+    def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int, layer_state=None):
         self.optimizer = optimizer
+        self.layer_state = layer_state  # kmp.overflow_layer.State of a prepared model, or None
         config = getattr(optimizer, "loss_scale_config", None)  # kmp's optimizer only
         self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
         self.steps_per_execution = steps_per_execution
@@ -153,6 +154,8 @@ class _Probe:
         values = self._snapshot(_LOGGED)
         if "loss_scale" not in values:  # not built: no step ran
             return logs
+        if self.layer_state is not None:
+            values["overflow_layer"] = tf.convert_to_tensor(self.layer_state.layer)
         if self.config is not None:
             if self._may_be_stuck():
                 values = self._check(values)
@@ -194,7 +197,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `overflow_variable`: the index in `model.trainable_variables` of the first
     variable whose gradient was not finite at the last overflow (-1 before
     any); under XLA, where the optimizer cannot print, the monitor prints that
-    variable's path on each overflow. With kmp's optimizer, a dynamic scale and
+    variable's path on each overflow. With a model prepared by `kmp.prepare`
+    (which names the layer, kmp.overflow_layer) it also adds `overflow_layer`:
+    the number of the first layer whose forward output was not finite at the
+    last overflow, its index in `model.layers` for a top-level layer (-1:
+    none named); under XLA the monitor's line names it. With kmp's optimizer, a dynamic scale and
     `raise_at_min_scale=True`, raises `kmp.LossScaleError` when a step
     overflowed at the floor, which an XLA-compiled step cannot do itself.
     With any other optimizer it warns once and does nothing.
@@ -226,7 +233,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
         def train_function_with_loss_scale(iterator):
             if not probe:
-                probe.append(_Probe(optimizer, steps_per_execution))
+                probe.append(_Probe(optimizer, steps_per_execution, overflow_layer.state_of(self.model)))
             try:
                 return probe[0].add_state(original(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
@@ -255,8 +262,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._overflows_seen = overflows
         variables = self.model.trainable_variables
         where = variables[int(index)].path if 0 <= index < len(variables) else "unknown"
-        print(f"kmp: gradient overflow in an XLA-compiled step, step skipped. First non-finite gradient: {where}",
-              file=sys.stderr)
+        state = overflow_layer.state_of(self.model)
+        forward = state.text() if state is not None and "overflow_layer" in logs else ""
+        print(f"kmp: gradient overflow in an XLA-compiled step, step skipped. First non-finite gradient: {where}"
+              f"{forward}", file=sys.stderr)
 
     def _uninstall(self):
         if self._installed is None:

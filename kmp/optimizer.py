@@ -272,15 +272,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         old = loss_scale.LossScaleState(self.dynamic_scale.value, self.hysteresis_left.value, self.good_steps.value)
         new, stuck = loss_scale.adjust(config, old, finite, where=typed_where)
         overflow.raise_if_stuck(config, stuck, old.scale)
+        printed = None
         if self.log_overflows:
-            overflow.log_overflow(config, finite, old, new, flags, variables)
+            printed = overflow.log_overflow(config, finite, old, new, flags, variables, end=overflow.line_end(self))
         grew = finite & loss_scale.grows(config, new.good_steps) if config.dynamic else finite & False
         # Keras's step_counter: clean steps since the last growth or overflow.
         self.step_counter.assign(typed_where(finite & ~grew, self.step_counter.value + 1, 0))
         self.dynamic_scale.assign(new.scale)
         self.hysteresis_left.assign(new.hysteresis_left)
         self.good_steps.assign(new.good_steps)
-        self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
+        # After the line: a step that ends the line (kmp.overflow_layer) reads this counter first.
+        with tf.control_dependencies([] if printed is None else [printed]):
+            self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
         if len(flags):
             first = tf.argmin(tf.cast(tf.stack(list(flags)), tf.int32), output_type=tf.int64)  # first False
             self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))

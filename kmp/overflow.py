@@ -3,6 +3,9 @@
     on an overflow step (inside the training step, as TensorFlow ops):
         log:   "gradient overflow, step skipped." + what the scale did
                (hysteresis absorbed it / reduced from -> to / stays at the floor)
+               + the first variables whose gradient was not finite
+               + (a model prepared by kmp.prepare) where the forward pass
+                 stopped being finite: kmp.overflow_layer prints that ending
         stuck at the floor with raise_at_min_scale: kmp.LossScaleError (eager),
                or an assert carrying the same message (graph)
 
@@ -12,6 +15,7 @@ compile; there `kmp.callbacks.LossScaleMonitor` raises after the step.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -64,16 +68,70 @@ def _text(piece):
 # How many variables an overflow line names, first in the model's order.
 NAMED = 3
 
+# Optimizers whose line another part of the same step ends (kmp.overflow_layer),
+# with how many replicas are tracing that step now. Read while tracing only.
+_CONTINUED: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def continued_line(optimizer):
+    """While tracing a step in here, `optimizer`'s overflow line is printed without its line end."""
+    key = id(optimizer)
+    _CONTINUED[key] = _CONTINUED.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        _CONTINUED[key] -= 1
+        if not _CONTINUED[key]:
+            del _CONTINUED[key]
+
+
+def line_end(optimizer) -> str:
+    return "" if id(optimizer) in _CONTINUED else "\n"
+
+
+# kmp.overflow_layer's findings (NOTHING, OUTPUT_INF, OUTPUT_NAN, INPUTS, BATCH), as
+# the line's ending says them: before the layer's name, after it.
+_FORWARD = (
+    ("forward pass finite", ""),
+    ("forward overflow in layer ", ": output inf, inputs finite"),
+    ("forward overflow in layer ", ": output nan, inputs finite"),
+    ("forward overflow entering layer ", ": inputs not finite, earlier outputs finite (a cast to float16 or code "
+     "between layers)"),
+    ("the batch itself is not finite", ""),
+)
+
+
+def layer_text(what: int, name: str) -> str:
+    """The ending of an overflow line: `name` is "'dense_3' (Dense)", or "" when none was named."""
+    before, after = _FORWARD[what]
+    return f" | {before}{name if after else ''}{after}"
+
+
+def layer_text_tensor(what, layer, names):
+    """`layer_text` inside a step: `what` and `layer` are int32 tensors, `names` Python strings."""
+    table = tf.constant(list(names) or [""])
+    name = tf.gather(table, tf.clip_by_value(layer, 0, len(names) - 1 if names else 0))
+    has_name = tf.gather(tf.constant([bool(after) for _, after in _FORWARD]), what)
+    return tf.strings.join([
+        " | ",
+        tf.gather(tf.constant([before for before, _ in _FORWARD]), what),
+        tf.where(has_name & (layer >= 0), name, ""),
+        tf.gather(tf.constant([after for _, after in _FORWARD]), what),
+    ])
+
 
 def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState, new: loss_scale.LossScaleState,
-                 flags=(), variables=()):
+                 flags=(), variables=(), end="\n"):
     """One line on stderr when the step overflowed (not inside XLA: tf.print does not compile).
 
     With `flags` (finite or not, one per variable), the line ends with the
     first variables whose gradient was not finite, in the model's order.
+    `end=""` leaves the line open for the step to end (`continued_line`).
+    Returns a tensor computed after the print (None inside XLA).
     """
     if in_xla():
-        return
+        return None
 
     def culprits():
         names = tf.constant([getattr(v, "path", None) or v.name for v in variables] or [""])
@@ -89,7 +147,7 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
             pieces = ["kmp: gradient overflow, step skipped.", *parts, *tail]
             # One string: tf.print quotes a string tensor printed beside others.
             text = tf.strings.join([_text(p) for p in pieces], separator=" ")
-            tf.print(text, output_stream=sys.stderr)
+            tf.print(text, output_stream=sys.stderr, end=end)
         return emit
 
     if not config.dynamic:
@@ -109,4 +167,10 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
     # (merge_call paths arrive here once, in cross-replica context).
     context = tf.distribute.get_replica_context()
     first = True if context is None else tf.equal(context.replica_id_in_sync_group, 0)
-    tf.cond(tf.logical_and(tf.logical_not(finite), first), report, lambda: None)
+
+    def printed():
+        report()
+        return tf.constant(True)
+
+    # A tensor to order later writes after the print (an open line must be printed before its end).
+    return tf.cond(tf.logical_and(tf.logical_not(finite), first), printed, lambda: tf.constant(False))

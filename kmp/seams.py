@@ -76,6 +76,13 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_call_has_training_arg",
         "_autoconvert_optionals",
         "_initial_epoch",          # kmp.callbacks.BackupAndRestore: the epoch fit() resumes at
+        "_symbolic_build",         # kmp.overflow_layer: builds the optimizer before the step reads its counter
+    ),
+    "keras.layers.Layer": (
+        "_flatten_layers",         # kmp.overflow_layer: a layer's direct sublayers, to number them
+        "call",                    # kmp.overflow_layer shadows it (or quantized_call) on the instance,
+        "quantized_call",          # for one traced or eager forward pass, then restores it
+        "_call_has_training_arg",
     ),
     "keras.optimizers.Optimizer": (
         "_learning_rate",          # kmp.fused: variable, schedule or callable

@@ -362,8 +362,26 @@ def _overflow_lines(capfd):
     return capfd.readouterr().err
 
 
+def _layer_line(capfd):
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(8, name="d1", kernel_initializer=keras.initializers.Constant(0.25))(inputs)
+        h = keras.layers.Dense(8, name="d2", kernel_initializer=keras.initializers.Constant(100.0))(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(h))
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+        capfd.readouterr()
+        kmp.prepare(model).fit(np.full((4, 4), 100.0, "float32"), np.zeros((4, 1), "float32"), verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return capfd.readouterr().err
+
+
 # The first line of an output block -> what makes that output now.
 TEXT_CHECKS = {
+    "kmp: gradient overflow, step skipped. Attempted loss scale: 32768 , reducing to 16384 | non-finite gradients: "
+    "d1/kernel, d1/bias, d2/kernel, and 3 more | forward overflow in layer 'd2' (Dense): output inf, inputs finite":
+        _layer_line,
     "Invalid DeepSpeed config (2 problems):": _config_error_text,
     "Invalid precision setting (1 problem):": _precision_error_text,
     "kmp: gradient overflow, step skipped. Attempted loss scale: 65536 , reducing to 32768 "

@@ -54,6 +54,7 @@ def _objects(strategy):
         mirrored = tf.Variable(1.0)
     return {
         "keras.Model (TensorFlow trainer)": [_model()],
+        "keras.layers.Layer": [keras.layers.Dense(1), _model()],
         "keras.optimizers.Optimizer": [_built(keras.optimizers.Adam), _built(keras.optimizers.AdamW)],
         "keras TFOptimizer": [keras.optimizers.SGD()],
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
@@ -179,6 +180,25 @@ def test_trainer_internals_the_replica_step_and_prepare_use():
     assert "self._autoconvert_optionals(one_step_on_data)" in inspect.getsource(trainer._make_function)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     assert model._jit_compile is None or isinstance(model._jit_compile, (bool, str))
+
+
+def test_a_layer_calls_the_call_on_its_instance():
+    """kmp.overflow_layer wraps `call` (or `quantized_call`) in a layer's __dict__ for one forward pass."""
+    operation = inspect.getsource(keras.Operation.__call__)
+    assert "call_fn = self.call" in operation and "call_fn = self.quantized_call" in operation
+    layer = keras.layers.Dense(2)
+    layer.build((None, 2))
+    seen = []
+    original = layer.call
+    layer.__dict__["call"] = lambda *args, **kwargs: seen.append(args) or original(*args, **kwargs)
+    layer(np.ones((1, 2), "float32"))
+    del layer.__dict__["call"]
+    layer(np.ones((1, 2), "float32"))
+    assert len(seen) == 1
+    children = _model()._flatten_layers(include_self=False, recursive=False)
+    assert [type(c).__name__ for c in children] == ["Dense"]
+    assert list(inspect.signature(seams.get("TensorFlowTrainer")._symbolic_build).parameters) == [
+        "self", "iterator", "data_batch"]
 
 
 def test_optimizer_internals_the_fused_update_reads():

@@ -8,7 +8,9 @@ to a Tensor", before the first step), and every step's logs are reduced with
 replicas it turns XLA off (or fails when asked for it). `prepare` replaces
 two methods of the given instance only, delegating to Keras's, and, with
 several replicas, swaps Keras's train step for kmp.distribute.replica_step's
-(XLA per replica).
+(XLA per replica). On any number of replicas it also wraps the train step
+so that an overflow names the layer whose forward output overflowed
+(kmp.overflow_layer).
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ import types
 import keras
 import tensorflow as tf
 
-from kmp import overflow, seams
+from kmp import overflow, overflow_layer, seams, values
 from kmp.distribute import replica_step
 from kmp.errors import Problem, check
 
 
-def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Model:
+def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True) -> keras.Model:
     """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
     requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again only changes `jit_compile`. It changes this instance
+    Calling it again only changes `jit_compile` and `find_overflow_layer`. It changes this instance
     only: other models, and Keras's classes, are untouched.
 
     `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
@@ -39,6 +41,18 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
     own `compile(jit_compile=True)`, which fails under a strategy, is turned
     into the same. On one replica, True turns Keras's whole-step XLA on and
     "auto"/False leave the compile() setting as it is.
+
+    `find_overflow_layer` (any number of replicas, with kmp's
+    LossScaleOptimizer and Keras's own train step): after a step whose
+    gradients overflowed, and only then, the forward pass of that step's
+    batch runs again layer by layer, writing nothing, and the overflow line
+    and `kmp.callbacks.LossScaleMonitor`'s `overflow_layer` name the first
+    layer whose output was not finite while its inputs were
+    (kmp.overflow_layer). A clean step pays two reads of a counter and a
+    branch not taken; tracing and XLA compilation take longer (the forward
+    pass is traced twice). On one device without a strategy, an optimizer
+    not built before the first step is built at its start from the batch's
+    shapes, as Keras does under a strategy. False: the step is left as it is.
 
     Two of the instance's methods are replaced, each delegating to Keras's
     (besides the XLA step above):
@@ -56,6 +70,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
        communication and has the dtypes the train step will see.
     2. `_make_function`, which builds the train and test functions:
        - with several replicas, the XLA train step above;
+       - `find_overflow_layer`: the train step wrapped as said above;
        - multi-worker: Keras reduces each step's logs with
          `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
          loss. The step's outputs get a leading axis of 1, so that same
@@ -70,11 +85,17 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto") -> keras.Mo
         check([Problem("model", "a keras.Model built by Keras's TensorFlow backend", type(model).__name__,
                        "Pass the model itself, e.g. kmp.distribute.prepare(model).")],
               "kmp.distribute.prepare arguments")
+    problems = []
     if jit_compile not in replica_step.JIT_CHOICES:
-        check([Problem("jit_compile", '"auto", True or False', jit_compile)], "kmp.distribute.prepare arguments")
-    if getattr(model, "_kmp_jit_compile", jit_compile) != jit_compile:
-        model.train_function = None  # built with the old setting: rebuild at the next fit()
+        problems.append(Problem("jit_compile", '"auto", True or False', jit_compile))
+    values.boolean("find_overflow_layer", find_overflow_layer, problems)
+    check(problems, "kmp.distribute.prepare arguments")
+    settings = (jit_compile, find_overflow_layer)
+    if getattr(model, "_kmp_settings", settings) != settings:
+        model.train_function = None  # built with the old settings: rebuild at the next fit()
     model._kmp_jit_compile = jit_compile
+    model._kmp_find_overflow_layer = find_overflow_layer
+    model._kmp_settings = settings
     if is_prepared(model):
         return model
     # Bound methods stored on the instance shadow the class's methods for
@@ -106,15 +127,16 @@ def _make_function_prepared(self, step_function):
     setting = getattr(self, "_kmp_jit_compile", "auto")
     several = self.distribute_strategy.num_replicas_in_sync > 1
     # Only Keras's own train_step is swapped: a model's custom one is kept.
-    if (
-        getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
-        and replica_step.wants_replica_xla(self, setting)
-    ):
+    stock_train_step = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
+    if stock_train_step and replica_step.wants_replica_xla(self, setting):
         # A new train function (after compile(), a new prepare(), frozen
         # layers) traces new XLA functions: a cached one holds the old loss,
         # metrics and trainable variables.
         replica_step.forget(self)
         step_function = functools.partial(replica_step.train_step, self)
+    # A custom train_step may not call the model on x as Keras's does: left as it is.
+    if stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(self):
+        step_function = overflow_layer.diagnosing_step(self, step_function)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
