@@ -49,6 +49,7 @@ import keras
 import tensorflow as tf
 
 from kmp import overflow
+from kmp.distribute.tpu import is_tpu_strategy
 
 FLOAT16_MAX = 65504.0
 
@@ -226,8 +227,13 @@ def state_of(model: keras.Model) -> State | None:
 
 
 def can_diagnose(model: keras.Model) -> bool:
-    """Whether fit() can name the layer: kmp's LossScaleOptimizer counts the skipped steps."""
-    return getattr(model.optimizer, "loss_scale_config", None) is not None
+    """Whether fit() can name the layer: kmp's LossScaleOptimizer counts the skipped steps.
+
+    Not under TPUStrategy: it merges nothing, and the state's write would sit
+    in replica context (never run: no TPU here).
+    """
+    return getattr(model.optimizer, "loss_scale_config", None) is not None and not is_tpu_strategy(
+        model.distribute_strategy)
 
 
 def diagnosing_step(model: keras.Model, step_function):
@@ -275,12 +281,13 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
         layer, what = tf.unstack(tf.gather(found, tf.argmin(rank, output_type=tf.int32)))
         state.layer.assign(layer)
         state.what.assign(what)
-        # The optimizer printed its line without the end where replica 0 runs.
+        # The optimizer printed its line, without its end, where replica 0 runs
+        # (this worker, unless multi-worker; the ids are constants in practice).
         ids = [tf.get_static_value(i) for i in local(replica)]
-        if ending and (None in ids or 0 in ids):
+        if ending and (0 in ids or None in ids):
             text = overflow.layer_text_tensor(what, layer, state.names)
-            holds_first = tf.reduce_any(tf.equal(tf.stack(local(replica)), 0))
-            tf.cond(holds_first, lambda: tf.print(text, output_stream=sys.stderr), lambda: tf.no_op())
+            here = tf.reduce_any(tf.equal(tf.stack(local(replica)), 0))
+            tf.cond(here, lambda: tf.print(text, output_stream=sys.stderr), tf.no_op)
 
     tf.cond(local(overflowed)[0], diagnose, lambda: None)
 

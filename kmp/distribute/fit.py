@@ -8,7 +8,9 @@ to a Tensor", before the first step), and every step's logs are reduced with
 replicas it turns XLA off (or fails when asked for it). `prepare` replaces
 two methods of the given instance only, delegating to Keras's, and, with
 several replicas, swaps Keras's train step for kmp.distribute.replica_step's
-(XLA per replica).
+(XLA per replica). On any number of replicas it also wraps the train step
+so that an overflow names the layer whose forward output overflowed
+(kmp.overflow_layer).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
 
     Call it after creating the model (in the strategy's scope, as Keras
     requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again only changes `jit_compile`. It changes this instance
+    Calling it again only changes `jit_compile` and `find_overflow_layer`. It changes this instance
     only: other models, and Keras's classes, are untouched.
 
     `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
@@ -68,6 +70,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
        communication and has the dtypes the train step will see.
     2. `_make_function`, which builds the train and test functions:
        - with several replicas, the XLA train step above;
+       - `find_overflow_layer`: the train step wrapped as said above;
        - multi-worker: Keras reduces each step's logs with
          `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
          loss. The step's outputs get a leading axis of 1, so that same
