@@ -2,31 +2,36 @@
 
 `kmp.prepare(model)` wraps the train step with kmp.overflow_layer's
 diagnosis (`find_overflow_layer=True`, the default): on a clean step it reads
-the skipped-steps counter twice and takes no branch. Side by side, in
-interleaved rounds: the issues' MLP (40 x Dense(256), batch 64, Adam,
-mixed_float16), prepared with the diagnosis on and off, on one device
-(without XLA, in float32: see below; and with Keras's whole-step XLA) and
-under MirroredStrategy on two logical CPUs (XLA per replica). Also printed: the first fit() of each
-variant (tracing and compiling, where the second traced forward pass costs).
+the skipped-steps counter twice and takes no branch. Measured side by side:
+an MLP (the issues' 40 x Dense(256) by default, batch 64, Adam) prepared
+with the diagnosis on and off, on one device (without XLA, in float32: see
+below; and mixed_float16 with Keras's whole-step XLA) and, in mixed_float16,
+under MirroredStrategy on two logical CPUs (XLA per replica).
 
-    python benchmarks/overflow_layer_overhead.py [--rounds 5] [--steps 30] [--depth 40 --width 256]
+The two models of a pair take single training steps in alternation
+(`model.train_function` on a repeating dataset, the loss read back after
+each step), so the drift of a shared machine hits both alike; the median
+step is reported. Also printed: the first fit() of each variant (tracing
+and compiling, where the second traced forward pass costs).
 
-A small MLP (--depth 4 --width 64 --steps 200) shows the fixed cost per
-step, which a large step hides.
+    python benchmarks/overflow_layer_overhead.py [--steps 400] [--depth 40 --width 256]
+
+A small MLP (--depth 4 --width 64) shows the fixed cost per step, which a
+large step hides.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
-from common import fit_ms_per_step, interleaved, mlp, regression_data, report, use_two_logical_cpus
+from common import mlp, regression_data, use_two_logical_cpus
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--depth", type=int, default=40)
     parser.add_argument("--width", type=int, default=256)
@@ -40,10 +45,10 @@ def main() -> None:
 
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     default = tf.distribute.get_strategy()
-    x, y = regression_data(args.batch, args.steps, args.width)
-    first_fit = {}
+    x, y = regression_data(args.batch, 20, args.width)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch, drop_remainder=True).repeat()
 
-    def variant(name, strategy, find, jit_compile="auto", policy="mixed_float16"):
+    def variant(strategy, find, jit_compile, policy):
         keras.config.set_dtype_policy(policy)
         with strategy.scope():
             keras.utils.set_random_seed(0)
@@ -53,36 +58,35 @@ def main() -> None:
         kmp.prepare(model, find_overflow_layer=find)
         start = time.perf_counter()
         model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)
-        first_fit[name] = time.perf_counter() - start
-        print(f"built {name}: first fit {first_fit[name]:.1f} s", flush=True)
+        first_fit = time.perf_counter() - start
         keras.config.set_dtype_policy("float32")
-        assert int(model.optimizer.skipped_steps.numpy()) == 0, "a variant overflowed: not a clean-step timing"
-        def measure():
-            ms = fit_ms_per_step(model, x, y, args.batch)
-            print(f"  {name}: {ms:.1f} ms/step", flush=True)
-            return ms
-
-        return measure
+        data = strategy.experimental_distribute_dataset(dataset) if strategy is mirrored else dataset
+        return model, iter(data), first_fit
 
     # Without XLA, TensorFlow's CPU float16 matmul takes seconds per step of
-    # this MLP here: that row runs in float32 (the step and its wrapper are the same).
+    # the large MLP here: that pair runs in float32 (the step and its wrapper
+    # are the same).
     groups = [
         ("one device, no XLA (float32)", default, False, "float32"),
-        ("one device, Keras's whole-step XLA", default, True, "mixed_float16"),
-        ("MirroredStrategy, 2 logical CPUs, XLA per replica", mirrored, "auto", "mixed_float16"),
+        ("one device, Keras's whole-step XLA (mixed_float16)", default, True, "mixed_float16"),
+        ("MirroredStrategy, 2 logical CPUs, XLA per replica (mixed_float16)", mirrored, "auto", "mixed_float16"),
     ]
-    variants = {}
+    print(f"MLP {args.depth} x Dense({args.width}), batch {args.batch}; median of {args.steps} alternating steps")
+    print(f"{'':68s} {'off ms':>8s} {'on ms':>8s} {'on/off':>7s}   first fit() off / on (s)")
     for title, strategy, jit, policy in groups:
-        for find in (False, True):
-            name = f"{title}: find_overflow_layer={find}"
-            variants[name] = variant(name, strategy, find, jit, policy)
-    times = interleaved(variants, args.rounds)
-    for title, *_ in groups:
-        off, on = f"{title}: find_overflow_layer=False", f"{title}: find_overflow_layer=True"
-        report(f"{title} (ms per step, steady state)", {off: times[off], on: times[on]}, off)
-    print("\nfirst fit() of 2 steps (s): tracing and compiling")
-    for name, seconds in first_fit.items():
-        print(f"  {name:75s} {seconds:6.1f}")
+        pair = {find: variant(strategy, find, jit, policy) for find in (False, True)}
+        times = {False: [], True: []}
+        for k in range(args.steps + 20):
+            for find in (False, True) if k % 2 else (True, False):
+                model, iterator, _ = pair[find]
+                start = time.perf_counter()
+                float(model.train_function(iterator)["loss"])
+                if k >= 20:  # warm-up steps are not counted
+                    times[find].append((time.perf_counter() - start) * 1000)
+        for model, _, _ in pair.values():
+            assert int(model.optimizer.skipped_steps.numpy()) == 0, "an overflow: not a clean-step timing"
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{title:68s} {off:8.2f} {on:8.2f} {on / off:7.3f}   {pair[False][2]:.1f} / {pair[True][2]:.1f}")
 
 
 if __name__ == "__main__":

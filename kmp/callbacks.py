@@ -201,9 +201,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     (which names the layer, kmp.overflow_layer) it also adds `overflow_layer`:
     the number of the first layer whose forward output was not finite at the
     last overflow, its index in `model.layers` for a top-level layer (-1:
-    none named); under XLA the monitor's line names it. With kmp's optimizer, a dynamic scale and
-    `raise_at_min_scale=True`, raises `kmp.LossScaleError` when a step
-    overflowed at the floor, which an XLA-compiled step cannot do itself.
+    none named); under XLA the monitor's line names it. With kmp's
+    optimizer, a dynamic scale and `raise_at_min_scale=True`, raises
+    `kmp.LossScaleError` when a step overflowed at the floor, which an
+    XLA-compiled step cannot do itself.
     With any other optimizer it warns once and does nothing.
 
     See the module docstring for how and when values are read.
