@@ -29,11 +29,23 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+
+_START = time.monotonic()
+
+
+def phase(name: str) -> None:
+    """A timestamped line in the worker's log: a failure's tail says where each worker was."""
+    print(f"[worker phase +{time.monotonic() - _START:6.1f} s] {name}", flush=True)
 
 ROWS, FEATURES, GLOBAL_BATCH, EPOCHS = 48, 16, 8, 2
 SPIKE_ROW = 5  # global batch 0, second half: worker 1's share
 INITIAL_SCALE, GROWTH_STEPS = 64.0, 2
-COLLECTIVE_TIMEOUT_S = 45
+# A collective waits this long for the other worker. Once (CI, session 5) a
+# worker waited more than 45 s in a resumed fit() while its peer was still
+# busy; a dead peer is caught sooner by the harness (tests/test_multiworker.py
+# stops both workers as soon as one exits).
+COLLECTIVE_TIMEOUT_S = 150
 ACCUMULATION = 3  # micro-batches per optimizer step in the accumulation run
 
 
@@ -312,7 +324,8 @@ def resume_mid_window(strategy, directory) -> dict:
     for method in names:
         # The control files are loaded only; one of them is also trained on to the end.
         for prefix, train in (("", True), ("control-", method == "weights")):
-            resumed, loaded = resume_from(method, prefix, train)
+            phase(f"resume from {prefix}{method} (train={train})")
+        resumed, loaded = resume_from(method, prefix, train)
             out["saved"][prefix + method] = {
                 **(compared(resumed, whole) if train else {}),
                 "loaded_micro_steps": loaded["micro_steps"],
@@ -403,15 +416,20 @@ def main(argv: list[str]) -> int:
         "stock_fit_error": fit_error(strategy),
         "symbolic_build_fix_only_error": fit_error(strategy, ["_maybe_symbolic_build"]),
     }
+    phase("load_window")
     result["loaded_window"] = load_window(strategy, argv[1])
+    phase("train")
     result.update(train(strategy, prepare=True))
+    phase("accumulated")
     result["accumulated"] = train(strategy, prepare=True, accumulation=ACCUMULATION)
     # Keras 3.15 fails for steps_per_execution > 1 under any multi-replica
     # strategy (keras-team/keras#19246); prepared, 6 batches an epoch run as
     # executions of 4 and 2 steps.
+    phase("four_steps_per_call")
     result["four_steps_per_call"] = train(strategy, prepare=True, steps_per_execution=4)
     # Last: op determinism (for the byte comparison) stays on once set.
     tf.config.experimental.enable_op_determinism()
+    phase("resume_mid_window")
     result["resume_mid_window"] = resume_mid_window(strategy, os.path.join(os.path.dirname(argv[0]), "mid-window"))
     with open(argv[0], "w", encoding="utf-8") as f:
         json.dump(result, f)
