@@ -325,7 +325,7 @@ def resume_mid_window(strategy, directory) -> dict:
         # The control files are loaded only; one of them is also trained on to the end.
         for prefix, train in (("", True), ("control-", method == "weights")):
             phase(f"resume from {prefix}{method} (train={train})")
-        resumed, loaded = resume_from(method, prefix, train)
+            resumed, loaded = resume_from(method, prefix, train)
             out["saved"][prefix + method] = {
                 **(compared(resumed, whole) if train else {}),
                 "loaded_micro_steps": loaded["micro_steps"],
