@@ -92,7 +92,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import replica_state, seams, values
+from kmp import engine, replica_state, seams, values
 from kmp.errors import KmpError, Problem, check
 
 __all__ = ["BackupAndRestore", "BackupError", "read_backup"]
@@ -183,6 +183,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         metadata, arrays = found
         variables = _variables(model)
         _check_matches(metadata, variables, found_in=self.path)
+        engine.written(model)  # the flat-buffer engine reloads what is assigned here
         for group in ("model", "optimizer"):
             for i, variable in enumerate(variables[group]):
                 variable.assign(arrays[f"{group}/{i}"])  # every local replica's copy
@@ -319,6 +320,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_model(self):
         model = self.model
+        engine.observe(model)  # the flat-buffer engine's weights, into the variables read here
         strategy = model.distribute_strategy
         variables = _variables(model)
         # Every worker joins one gather (a collective) of each replica's own

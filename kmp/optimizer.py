@@ -242,6 +242,51 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 grads = [g if o or g is None else g * clip for g, o in zip(grads, own)]
             _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite, flags)
 
+    def apply_flat(self, grad, buffers) -> None:
+        """One (micro-)step on flat buffers (kmp.flat): `grad` is this replica's
+        scaled gradient of the flat weights. The same contract as `apply`: one
+        all-reduce (in buckets), one overflow check, clipping by the global
+        norm after the reduce, the update in one XLA computation if finite.
+        """
+        grad = unscale(grad, self.dynamic_scale.value)
+        if self.accumulation is None:
+            self._flat_effective_step(grad, buffers, None)
+        else:
+            _maybe_merge_call(self._flat_micro_step, grad, buffers)
+
+    def _flat_micro_step(self, strategy, grad, buffers):
+        window = self.accumulation
+
+        def add(grad):
+            buffers.local("sums").assign_add(grad)
+            window.micro_steps.assign_add(1)
+
+        def close(grad):
+            sums = buffers.local("sums")
+            total = sums.read_value() + grad
+            sums.assign(tf.zeros_like(total))
+            count = tf.cast(window.micro_steps.value + 1, tf.float32)
+            window.micro_steps.assign(0)
+            self._flat_effective_step(total, buffers, count)
+
+        ops.cond(window.closes(), lambda: _each_replica(strategy, close, grad),
+                 lambda: _each_replica(strategy, add, grad))
+
+    def _flat_effective_step(self, grad, buffers, count):
+        chunks = _chunks(grad, self.communication)
+        grad = tf.concat(reduce_mean(chunks, self.communication, self.dynamic_scale.value, count), axis=0)
+        finite = tf.reduce_all(tf.math.is_finite(grad))
+        clip = None
+        if self.gradient_clipping is not None:
+            clip = global_clip_scale([grad], self.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)
+        learning_rate = self.inner_optimizer._get_current_learning_rate()
+        ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
+        variables = self._trainable_variables
+        # Which variables overflowed, for the log line: computed on an overflow only.
+        flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
+        self._adjust(finite, tf.unstack(flags, num=len(variables)), variables)
+
     def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
         # Every replica computed `finite` from the same reduced gradients. A
         # cond whose branch calls merge_call (as Keras's update does) must be
@@ -343,6 +388,16 @@ def _each_replica(strategy, fn, *args):
     if tf.distribute.in_cross_replica_context():
         return strategy.extended.call_for_each_replica(fn, args=args)
     return fn(*args)
+
+
+def _chunks(flat, communication) -> list:
+    """`flat` cut into the all-reduce buckets (`bytes_per_pack`; 0: one)."""
+    per_bucket = communication.bytes_per_pack // tf.as_dtype(communication.dtype).size
+    size = flat.shape[0]
+    if not per_bucket or size <= per_bucket:
+        return [flat]
+    sizes = [per_bucket] * (size // per_bucket) + ([size % per_bucket] if size % per_bucket else [])
+    return tf.split(flat, sizes)
 
 
 def _as_given(grads_and_vars):

@@ -16,22 +16,26 @@ so that an overflow names the layer whose forward output overflowed
 from __future__ import annotations
 
 import functools
+import logging
 import types
 
 import keras
 import tensorflow as tf
 
-from kmp import overflow, overflow_layer, seams, values
+from kmp import engine, flat, overflow, overflow_layer, seams, values
 from kmp.distribute import replica_step
 from kmp.errors import Problem, check
 
+logger = logging.getLogger(__name__)
 
-def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True) -> keras.Model:
+
+def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True,
+            flat_buffers: bool | str = False) -> keras.Model:
     """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
     requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again only changes `jit_compile` and `find_overflow_layer`. It changes this instance
+    Calling it again only changes `jit_compile`, `find_overflow_layer` and `flat_buffers`. It changes this instance
     only: other models, and Keras's classes, are untouched.
 
     `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
@@ -53,6 +57,18 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     pass is traced twice). On one device without a strategy, an optimizer
     not built before the first step is built at its start from the batch's
     shapes, as Keras does under a strategy. False: the step is left as it is.
+
+    `flat_buffers` (kmp.engine): "auto" or True trains the float32 master
+    weights, the optimizer's slots and the accumulation sums as a few flat
+    buffers (kmp.flat), on any number of replicas: one all-reduce, one
+    overflow check and one XLA update per step, whatever the number of
+    variables. The Keras variables are kept current wherever they can be
+    observed (kmp.engine lists where); for that the model's evaluate,
+    predict, save, save_weights, get_weights, set_weights, load_weights and
+    fit are wrapped on this instance. "auto" falls back to the per-variable
+    path, with a one-line note, where the buffers do not apply (an optimizer
+    other than SGD, Adam, AdamW; non-float32 variables; see
+    kmp.flat.support); True says the same as a warning. False: off.
 
     Two of the instance's methods are replaced, each delegating to Keras's
     (besides the XLA step above):
@@ -89,13 +105,18 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     if jit_compile not in replica_step.JIT_CHOICES:
         problems.append(Problem("jit_compile", '"auto", True or False', jit_compile))
     values.boolean("find_overflow_layer", find_overflow_layer, problems)
+    if flat_buffers not in ("auto", True, False):
+        problems.append(Problem("flat_buffers", '"auto", True or False', flat_buffers))
     check(problems, "kmp.distribute.prepare arguments")
-    settings = (jit_compile, find_overflow_layer)
+    settings = (jit_compile, find_overflow_layer, flat_buffers)
     if getattr(model, "_kmp_settings", settings) != settings:
         model.train_function = None  # built with the old settings: rebuild at the next fit()
     model._kmp_jit_compile = jit_compile
     model._kmp_find_overflow_layer = find_overflow_layer
+    model._kmp_flat_buffers = flat_buffers
     model._kmp_settings = settings
+    if flat_buffers:
+        engine.install(model)
     if is_prepared(model):
         return model
     # Bound methods stored on the instance shadow the class's methods for
@@ -134,6 +155,10 @@ def _make_function_prepared(self, step_function):
         # metrics and trainable variables.
         replica_step.forget(self)
         step_function = functools.partial(replica_step.train_step, self)
+    buffers = _engine_for(self) if stock_train_step else None
+    if buffers is not None:
+        replica_step.forget(self)
+        step_function = buffers.train_step
     # A custom train_step may not call the model on x as Keras's does: left as it is.
     if stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(self):
         step_function = overflow_layer.diagnosing_step(self, step_function)
@@ -153,7 +178,46 @@ def _make_function_prepared(self, step_function):
         self._jit_compile = saved
     if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
         function = _multi_step_function(self, step_function, function)
+    if buffers is not None:
+        function = _around_steps(buffers, function)
     return _raising_loss_scale_errors(function)
+
+
+def _engine_for(model):
+    """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
+    setting = getattr(model, "_kmp_flat_buffers", False)
+    if not setting or model.run_eagerly:
+        return None
+    reason = flat.support(model)
+    if reason is None and not model.optimizer.built:
+        # Without a strategy Keras builds it in the first step; the buffers need its slots now.
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    if reason is not None:
+        if reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
+            model.__dict__["_kmp_flat_noted"].add(reason)
+            log = logger.warning if setting is True else logger.info
+            log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)
+        return None
+    current = engine.engine_of(model)
+    key = (id(model.optimizer), tuple(id(v) for v in model.trainable_variables))
+    if current is None or current.buffers.key != key:
+        if current is not None:
+            current.observe()  # the old buffers' last values, into the variables the new ones start from
+        model.__dict__["_kmp_engine"] = engine.Engine(model)
+    return model.__dict__["_kmp_engine"]
+
+
+def _around_steps(buffers, function):
+    def call(iterator):
+        buffers.before_step()
+        try:
+            return function(iterator)
+        finally:
+            buffers.stepped()
+
+    call.__wrapped__ = function
+    return call
 
 
 def _raising_loss_scale_errors(function):

@@ -1,0 +1,292 @@
+"""The flat-buffer engine: fit() trains kmp.flat's buffers; the Keras variables are copies kept current when observed.
+
+A prepared model (`kmp.prepare(model, flat_buffers=True)`) trains with this
+step, in replica context, on one device or several:
+
+    weights = this replica's flat float32 weights
+    grad, y_pred, loss, writes = forward_backward(weights, ...)   # XLA: the weights
+                                 # split into the variables' values, the gradient one flat tensor
+    optimizer.apply_flat(grad)   # unscale, accumulate, ONE all-reduce (in buckets),
+                                 # one finite check, clip, ONE XLA update of weights and slots
+    writes (BatchNorm statistics), loss tracker, metrics      # as Keras's train_step
+
+No op on that path touches a per-variable optimizer state; the only
+per-variable work left is the forward/backward pass itself.
+
+During fit() the buffers are the truth and the Keras variables lag. Like
+Keras's JAX trainer (which keeps its state as arrays and writes them back
+with `jax_state_sync` when observed), the engine copies the buffers into
+the Keras variables before anything can observe them, and back when
+something may have written them:
+
+    buffers -> Keras variables (store), when the buffers are newer, before:
+        evaluate / predict / save / save_weights / get_weights / test_on_batch /
+        predict_on_batch / export, called on the model (validation in fit() too);
+        every on_epoch_end and on_train_end (before the callbacks);
+        each hook of a callback kmp does not know, that the callback overrides;
+        the end of fit(), however it ends (an exception, KeyboardInterrupt);
+        an overflowing step's layer diagnosis (its forward pass reads them).
+    Keras variables -> buffers (load), before the next step, after:
+        the start of fit(); set_weights / load_weights on the model;
+        any epoch hook (a callback may restore weights there);
+        each overridden hook of a callback kmp does not know.
+
+Callbacks known to read and write no weights in their batch hooks, or to do
+it only through the model's methods above, cost nothing per batch: Keras's
+History, ProgbarLogger, TerminateOnNaN, CSVLogger, TensorBoard,
+EarlyStopping, ReduceLROnPlateau, LearningRateScheduler, ModelCheckpoint,
+BackupAndRestore, and kmp's callbacks. Another callback whose batch hooks
+do neither can say so with `kmp_reads_weights = False` (a class or instance
+attribute); otherwise each of its overridden batch hooks costs a copy each
+way, and kmp says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+
+import keras
+import tensorflow as tf
+
+from kmp import flat, seams
+
+logger = logging.getLogger(__name__)
+
+FLAT, SAME, KERAS = "buffers newer", "same", "keras newer"
+
+_READERS = ("evaluate", "predict", "save", "save_weights", "get_weights", "test_on_batch", "predict_on_batch",
+            "export")
+_WRITERS = ("set_weights", "load_weights")
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
+          "on_train_batch_end", "on_batch_begin", "on_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _known_callbacks() -> tuple:
+    from kmp import backup, callbacks
+
+    c = keras.callbacks
+    kmp_own = tuple(v for v in vars(callbacks).values()
+                    if isinstance(v, type) and issubclass(v, c.Callback) and v.__module__ == callbacks.__name__)
+    return (c.History, c.ProgbarLogger, c.TerminateOnNaN, c.CSVLogger, c.TensorBoard, c.EarlyStopping,
+            c.ReduceLROnPlateau, c.LearningRateScheduler, c.ModelCheckpoint, c.BackupAndRestore,
+            backup.BackupAndRestore) + kmp_own
+
+
+class Engine:
+    """The flat buffers of one prepared model and when they are copied (see the module docstring)."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self.buffers = flat.FlatBuffers(model)
+        self.buffers.load()
+        self.state = SAME
+
+    # --- The state machine ---
+
+    def stepped(self) -> None:
+        self.state = FLAT
+
+    def before_step(self) -> None:
+        if self.state == KERAS:
+            self.buffers.load()
+            self.state = SAME
+
+    def observe(self) -> None:
+        if self.state == FLAT:
+            self.buffers.store()
+            self.state = SAME
+
+    def written(self) -> None:
+        self.observe()  # what was not written must be current too
+        self.state = KERAS
+
+    # --- The step (replica context) ---
+
+    @tf.autograph.experimental.do_not_convert
+    def train_step(self, data):
+        model, buffers = self.model, self.buffers
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        others = model.non_trainable_variables + model.metrics_variables
+        other_values = [tf.convert_to_tensor(v.value) for v in others]
+        scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
+        weights = buffers.local("weights").read_value()
+        grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, x, y, sample_weight)
+        for index, value in writes.items():
+            variable = others[int(index)]
+            if value.dtype.is_floating:
+                value = tf.where(tf.reduce_all(tf.math.is_finite(value)), value, variable.value)
+            variable.assign(value)
+        model._loss_tracker.update_state(
+            seams.get("unscale_loss_for_distribution")(loss),
+            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+        )
+        before = tf.convert_to_tensor(model.optimizer.skipped_steps.value)
+        model.optimizer.apply_flat(grad, buffers)
+        if getattr(model, "_kmp_find_overflow_layer", True):
+            # The layer diagnosis that follows an overflow runs the model on its Keras variables.
+            overflowed = tf.convert_to_tensor(model.optimizer.skipped_steps.value) > before
+            tf.cond(overflowed, lambda: buffers.store_weights_here() or tf.no_op(), tf.no_op)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _compiled(self):
+        replica = _replica_index()
+        cache = self.__dict__.setdefault("_steps", {})
+        if replica not in cache:
+            cache[replica] = tf.function(self._forward_backward, jit_compile=True, reduce_retracing=True)
+        return cache[replica]
+
+    def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
+        model = self.model
+        others = model.non_trainable_variables + model.metrics_variables
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            values = self.buffers.split(weights)
+            mapping = list(zip(model.trainable_variables, values)) + list(zip(others, other_values))
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                entered = dict(scope.state_mapping)
+                kwargs = {"training": True} if model._call_has_training_arg else {}
+                y_pred = model(x, **kwargs)
+                loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            scaled = keras.ops.multiply(loss, scale)
+        grad = tape.gradient(scaled, weights)
+        writes = {}
+        for k, variable in enumerate(others):
+            after = scope.get_current_value(variable)
+            if after is not entered[id(variable)]:
+                writes[str(k)] = after
+        return grad, y_pred, loss, writes
+
+def _replica_index():
+    context = tf.distribute.get_replica_context()
+    replica = 0 if context is None else tf.get_static_value(context.replica_id_in_sync_group)
+    return (id(tf.distribute.get_strategy()), None if replica is None else int(replica))
+
+
+def _overridden(callback) -> set:
+    base = keras.callbacks.Callback
+    return {h for h in _HOOKS if h in vars(callback) or getattr(type(callback), h, None) is not getattr(base, h)}
+
+
+class _Sync(keras.callbacks.Callback):
+    """First in fit()'s list: the buffers are copied out before the epoch's and the run's end hooks."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        observe(self.model)
+
+    def on_train_end(self, logs=None):
+        observe(self.model)
+
+
+class _Around(keras.callbacks.Callback):
+    """Just before (or after) a callback kmp does not know: a copy out (or in) around its overridden hooks."""
+
+    def __init__(self, hooks: set, before: bool):
+        super().__init__()
+        for hook in hooks:
+            setattr(self, hook, functools.partial(observe if before else written, self))
+
+
+def callbacks(model: keras.Model, given) -> list:
+    """fit()'s callbacks with the copies around them (they do nothing while no engine is built)."""
+    given = keras.tree.flatten(given) if given else []
+    known = _known_callbacks()
+    out = [_Sync()]
+    for callback in given:
+        hooks = _overridden(callback)
+        # Exact types: a subclass may read weights in a hook it overrides.
+        if type(callback) in known or getattr(callback, "kmp_reads_weights", True) is False or not hooks:
+            out.append(callback)
+            continue
+        batch = sorted(h for h in hooks if "batch" in h)
+        if batch and type(callback) not in _NOTED:
+            _NOTED.add(type(callback))
+            logger.warning(
+                "kmp: %s overrides %s: with the flat-buffer engine, the weights are copied to the model "
+                "before each call and back after it. If it neither reads nor writes weights there, set "
+                "kmp_reads_weights = False on it.", type(callback).__name__, ", ".join(batch))
+        out += [_Around(hooks, before=True), callback, _Around(hooks, before=False)]
+    return out
+
+
+_NOTED: set = set()
+
+
+def observe(model_or_callback, *_) -> None:
+    """Before something reads the Keras variables of `model` (or a callback's model): they get the buffers."""
+    engine = _engine_behind(model_or_callback)
+    if engine is not None:
+        engine.observe()
+
+
+def written(model_or_callback, *_) -> None:
+    """Before (or after) something writes the Keras variables: the buffers reload them before the next step."""
+    engine = _engine_behind(model_or_callback)
+    if engine is not None:
+        engine.written()
+
+
+# --- The model's methods (installed by kmp.prepare) ---
+
+
+def install(model: keras.Model) -> None:
+    """Wraps the model's observing and writing methods on this instance (idempotent)."""
+    if model.__dict__.get("_kmp_engine_methods"):
+        return
+    model.__dict__["_kmp_engine_methods"] = True
+    for name in _READERS + _WRITERS + ("fit",):
+        stock = getattr(type(model), name, None)
+        if stock is not None:
+            setattr(model, name, types.MethodType(_WRAPPERS.get(name, _reader if name in _READERS else _writer)(stock),
+                                                  model))
+
+
+def engine_of(model: keras.Model) -> Engine | None:
+    return model.__dict__.get("_kmp_engine")
+
+
+def _engine_behind(model_or_callback) -> Engine | None:
+    if isinstance(model_or_callback, keras.callbacks.Callback):
+        model_or_callback = model_or_callback.model
+    return engine_of(model_or_callback) if isinstance(model_or_callback, keras.Model) else None
+
+
+def _reader(stock):
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        observe(self)
+        return stock(self, *args, **kwargs)
+
+    return method
+
+
+def _writer(stock):
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        written(self)
+        return stock(self, *args, **kwargs)
+
+    return method
+
+
+def _fit(stock):
+    parameters = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def fit(self, *args, **kwargs):
+        written(self)  # the model may have changed since the last fit()
+        bound = parameters.bind(self, *args, **kwargs)
+        bound.arguments["callbacks"] = callbacks(self, bound.arguments.get("callbacks"))
+        try:
+            return stock(*bound.args, **bound.kwargs)
+        finally:
+            observe(self)
+
+    return fit
+
+
+_WRAPPERS = {"fit": _fit}
