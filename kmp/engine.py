@@ -216,14 +216,14 @@ def callbacks(model: keras.Model, given) -> list:
 _NOTED: set = set()
 
 
-def observe(model_or_callback, *_) -> None:
+def observe(model_or_callback, *_, **__) -> None:
     """Before something reads the Keras variables of `model` (or a callback's model): they get the buffers."""
     engine = _engine_behind(model_or_callback)
     if engine is not None:
         engine.observe()
 
 
-def written(model_or_callback, *_) -> None:
+def written(model_or_callback, *_, **__) -> None:
     """Before (or after) something writes the Keras variables: the buffers reload them before the next step."""
     engine = _engine_behind(model_or_callback)
     if engine is not None:

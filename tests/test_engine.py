@@ -1,0 +1,335 @@
+"""The flat-buffer engine (kmp.flat, kmp.engine): the same training as the
+per-variable path, and the Keras variables current wherever they are observed.
+
+Each test trains the same model twice from the same seed, with
+`flat_buffers=False` (kmp's per-variable path) and True, and compares.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import engine
+from kmp.callbacks import LossScaleMonitor
+
+ROWS, FEATURES = 48, 6
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(ROWS, FEATURES).astype("float32")
+    return x, (x @ rng.randn(FEATURES, 1) + 0.1 * rng.randn(ROWS, 1)).astype("float32")
+
+
+def _model(strategy=None, optimizer="adamw", **wrap_args):
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else keras.name_scope("one_device"):
+        model = keras.Sequential([
+            # No parameter whose gradient is zero in exact arithmetic (a bias
+            # right before a normalization): Adam turns its round-off into +-lr steps.
+            keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu", name="d1"),
+            keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1, name="out", dtype="float32"),
+        ], name="net")
+        inner = {
+            "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+            "adam": lambda: keras.optimizers.Adam(1e-2),
+            "sgd": lambda: keras.optimizers.SGD(1e-2, momentum=0.9, nesterov=True),
+            "lion": lambda: keras.optimizers.Lion(1e-3),
+        }[optimizer]()
+        model.compile(optimizer=kmp.LossScaleOptimizer(inner, **wrap_args), loss="mse")
+    return model
+
+
+def _trained(flat, strategy=None, optimizer="adamw", epochs=2, callbacks=(), wrap_args=None, jit_compile="auto",
+             **fit_args):
+    model = kmp.prepare(_model(strategy, optimizer, **(wrap_args or {})), flat_buffers=flat, jit_compile=jit_compile)
+    x, y = _data()
+    history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks),
+                        **fit_args)
+    return model, history.history
+
+
+def _raw(model):
+    """Every variable's value read directly (not through a wrapped method)."""
+    return [np.array(v.numpy()) for v in model.variables + model.optimizer.variables]
+
+
+def _assert_close(a, b, rtol=1e-5, atol=1e-6):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
+
+
+@pytest.fixture(params=["float32", "mixed_float16"])
+def policy(request):
+    keras.config.set_dtype_policy(request.param)
+    return request.param
+
+
+# --- The same training ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer, wrap_args", [
+    ("adamw", {}),
+    ("sgd", {"gradient_accumulation_steps": 3}),
+    ("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
+])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args, replicas, two_replicas):
+    strategy = two_replicas if replicas == 2 else None
+    if policy == "mixed_float16":
+        # On one device both run the whole step with XLA: Keras's step
+        # without it rounds float16 otherwise, and a step that overflows in one
+        # and not the other would part the trajectories.
+        wrap_args = {**wrap_args, "initial_scale": 128.0}
+    jit_compile = True if policy == "mixed_float16" and replicas == 1 else "auto"
+    (plain, plain_logs), (flat, flat_logs) = (
+        _trained(f, strategy, optimizer, wrap_args=wrap_args, jit_compile=jit_compile) for f in (False, True))
+    assert engine.engine_of(plain) is None
+    buffers = engine.engine_of(flat).buffers
+    slots = {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
+    assert len(buffers.buffers) == 1 + slots + ("gradient_accumulation_steps" in wrap_args)
+    assert buffers.size == sum(int(np.prod(v.shape)) for v in flat.trainable_variables)
+    # One ulp per step at most (XLA's FMA contraction); float16 forward passes round the difference.
+    rtol = 1e-5 if policy == "float32" else 2e-3
+    _assert_close(_raw(plain), _raw(flat), rtol=rtol, atol=rtol / 10)
+    np.testing.assert_allclose(plain_logs["loss"], flat_logs["loss"], rtol=rtol)
+    # The loss-scale trajectory is the same (scale, skipped steps).
+    for name in ("dynamic_scale", "skipped_steps", "iterations"):
+        assert getattr(plain.optimizer, name).numpy() == getattr(flat.optimizer, name).numpy(), name
+
+
+def test_overflows_are_skipped_and_the_scale_moves_as_without_buffers(two_replicas):
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = _data()
+    x[9] = 1e5  # global batch 1 overflows float16 on replica 0 only
+    runs = []
+    for flat in (False, True):
+        model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=flat)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs.append(model)
+    plain, flat = runs
+    assert flat.optimizer.skipped_steps.numpy() == plain.optimizer.skipped_steps.numpy() >= 1
+    assert flat.optimizer.dynamic_scale.numpy() == plain.optimizer.dynamic_scale.numpy()
+    assert all(np.isfinite(w).all() for w in flat.get_weights())
+    _assert_close(_raw(plain), _raw(flat), rtol=2e-3, atol=2e-4)
+
+
+def test_the_overflow_names_the_layer_with_buffers(capfd):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _model(optimizer="sgd")
+    model.get_layer("d1").kernel.assign(np.full((FEATURES, 16), 1e3, "float32"))  # float16 max is 65504
+    kmp.prepare(model, flat_buffers=True)
+    x, y = _data()
+    x[:8] = 100.0
+    history = model.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[LossScaleMonitor()])
+    assert engine.engine_of(model) is not None
+    assert history.history["overflows"] == [1.0]
+    assert "| forward overflow in layer 'd1' (Dense): output inf, inputs finite" in capfd.readouterr().err
+
+
+# --- Observed: the Keras variables are current -------------------------------------
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Reads a kernel directly (not through a model method) after every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(self.model.get_layer("d1").kernel.numpy().copy())
+
+
+def test_a_callback_reading_variables_each_batch_sees_the_current_weights(caplog):
+    with caplog.at_level(logging.WARNING, logger="kmp.engine"):
+        runs = [_trained(f, callbacks=[_Recorder()], epochs=1)[0] for f in (False, True)]
+    assert "_Recorder overrides on_train_batch_end" in caplog.text
+    _assert_close(_raw(runs[0]), _raw(runs[1]))
+
+
+def test_what_each_batch_hook_sees_matches_the_per_variable_path():
+    recorders = [_Recorder(), _Recorder()]
+    for flat, recorder in zip((False, True), recorders):
+        _trained(flat, callbacks=[recorder], epochs=1)
+    assert len(recorders[1].seen) == ROWS // 8
+    _assert_close(recorders[0].seen, recorders[1].seen)
+    assert not np.array_equal(recorders[1].seen[0], recorders[1].seen[-1])  # it trained
+
+
+class _Zeroer(keras.callbacks.Callback):
+    """Writes a kernel directly in the middle of an epoch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            kernel = self.model.get_layer("out").kernel
+            kernel.assign(np.zeros(kernel.shape, "float32"))
+
+
+def test_a_callback_writing_variables_mid_epoch_is_honoured():
+    runs = [_trained(f, callbacks=[_Zeroer()])[0] for f in (False, True)]
+    _assert_close(_raw(runs[0]), _raw(runs[1]))
+
+
+def test_a_callback_that_says_it_reads_no_weights_costs_no_copies():
+    class Quiet(_Recorder):
+        kmp_reads_weights = False
+
+    model = kmp.prepare(_model(), flat_buffers=True)
+    listed = engine.callbacks(model, [Quiet(), _Recorder(), keras.callbacks.History()])
+    assert [type(c).__name__ for c in listed] == ["_Sync", "Quiet", "_Around", "_Recorder", "_Around", "History"]
+
+
+def test_model_checkpoint_mid_epoch_saves_the_current_weights(tmp_path):
+    files = []
+    for flat in (False, True):
+        path = tmp_path / f"{flat}.weights.h5"
+        checkpoint = keras.callbacks.ModelCheckpoint(str(path), save_weights_only=True, save_freq=4)
+        _trained(flat, callbacks=[checkpoint], epochs=1)  # 6 batches: saved after batch 4 only
+        reader = _model()
+        reader.load_weights(str(path))
+        files.append(_raw(reader))
+    _assert_close(*files)
+    untrained = _raw(_model())
+    assert not np.array_equal(files[1][0], untrained[0])
+
+
+def test_a_keras_file_moves_between_the_engine_and_plain_keras(tmp_path):
+    x, _ = _data()
+    model, _ = _trained(True)
+    model.save(tmp_path / "flat.keras")
+    plain = keras.models.load_model(tmp_path / "flat.keras")  # no prepare, no engine
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    # And back: a plain model's file trains on under the engine exactly as without it.
+    continued = []
+    for flat in (False, True):
+        loaded = kmp.prepare(keras.models.load_model(tmp_path / "flat.keras"), flat_buffers=flat)
+        loaded.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        continued.append(_raw(loaded))
+    _assert_close(*continued)
+
+
+def test_checkpoints_hold_keras_variables_only(tmp_path):
+    model, _ = _trained(True, epochs=1)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert not [n for n in names if "kmp_flat" in n]
+    restored = _model()
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path).assert_existing_objects_matched()
+    _assert_close(_raw(model), _raw(restored), rtol=0, atol=0)
+
+
+def test_set_weights_between_fits_is_trained_from():
+    runs = []
+    for flat in (False, True):
+        model, _ = _trained(flat, epochs=1)
+        model.set_weights([w * 0.5 for w in model.get_weights()])
+        model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs.append(_raw(model))
+    _assert_close(*runs)
+
+
+def test_early_stopping_restores_the_best_weights():
+    runs = []
+    for flat in (False, True):
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True,
+                                             start_from_epoch=0, min_delta=10.0)
+        runs.append(_raw(_trained(flat, epochs=4, callbacks=[stop])[0]))
+    _assert_close(*runs)
+
+
+def test_validation_and_evaluate_see_the_current_weights():
+    x, y = _data()
+    results = []
+    for flat in (False, True):
+        model, logs = _trained(flat, validation_data=(x, y))
+        results.append((logs["val_loss"], model.evaluate(x, y, verbose=0)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    kmp_reads_weights = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_fit_leaves_the_variables_current():
+    runs = []
+    for flat in (False, True):
+        model = kmp.prepare(_model(), flat_buffers=flat)
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_Interrupt()])
+        runs.append(_raw(model))
+    _assert_close(*runs)
+
+
+def test_kmp_backup_resumes_exactly_with_buffers(tmp_path):
+    from kmp.backup import BackupAndRestore
+
+    def job(directory, interrupt=False):
+        model = kmp.prepare(_model(optimizer="adam", gradient_accumulation_steps=2), flat_buffers=True)
+        callbacks = [BackupAndRestore(str(directory), save_freq=3)] + ([_Interrupt()] if interrupt else [])
+        try:
+            model.fit(*_data(), batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        except KeyboardInterrupt:
+            return None
+        return _raw(model)
+
+    whole = job(tmp_path / "whole")
+    assert job(tmp_path / "cut", interrupt=True) is None
+    resumed = job(tmp_path / "cut")
+    _assert_close(whole, resumed, rtol=0, atol=0)
+
+
+def test_a_new_compile_gets_new_buffers():
+    losses = []
+    for flat in (False, True):
+        model, _ = _trained(flat, epochs=1)
+        first = engine.engine_of(model)
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD(0.0)), loss="mae")
+        before = [np.array(w) for w in model.trainable_weights]
+        losses.append(model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"])
+        if flat:
+            assert engine.engine_of(model) is not first
+        _assert_close(before, [np.array(w) for w in model.trainable_weights], rtol=0, atol=0)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # the new loss (MAE), on the same weights
+
+
+# --- Where the buffers do not apply --------------------------------------------
+
+
+def test_an_optimizer_without_a_flat_update_falls_back_with_a_note(caplog):
+    with caplog.at_level(logging.INFO, logger="kmp.distribute.fit"):
+        model, logs = _trained("auto", optimizer="lion", epochs=1)
+    assert engine.engine_of(model) is None
+    assert "flat buffers off for net, per-variable updates instead: Lion has no fused update" in caplog.text
+    assert np.isfinite(logs["loss"]).all()
+
+
+def test_flat_buffers_true_warns_where_they_do_not_apply(caplog):
+    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"):
+        _trained(True, optimizer="lion", epochs=1)
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "flat buffers off" in r.message]
+
+
+def test_prepare_checks_flat_buffers():
+    with pytest.raises(kmp.ConfigError, match="flat_buffers"):
+        kmp.prepare(_model(), flat_buffers="yes")
+
+
+def test_the_engine_changes_only_this_instance():
+    model = kmp.prepare(_model(), flat_buffers=True)
+    other = _model()
+    for name in ("fit", "evaluate", "save", "get_weights", "set_weights", "load_weights"):
+        assert name in vars(model)
+        assert name not in vars(other)
