@@ -137,7 +137,12 @@ class Engine:
         replica = _replica_index()
         cache = self.__dict__.setdefault("_steps", {})
         if replica not in cache:
-            cache[replica] = tf.function(self._forward_backward, jit_compile=True, reduce_retracing=True)
+            # XLA unless prepare(jit_compile=False) or a layer does not support it;
+            # the update (kmp.flat) is always XLA.
+            model = self.model
+            jit = getattr(model, "_kmp_jit_compile", "auto") is not False and bool(
+                seams.get("model_supports_jit")(model))
+            cache[replica] = tf.function(self._forward_backward, jit_compile=jit, reduce_retracing=True)
         return cache[replica]
 
     def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):

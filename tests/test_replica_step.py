@@ -1,4 +1,7 @@
-"""kmp.distribute.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs)."""
+"""kmp.distribute.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs).
+
+The per-variable path (flat_buffers=False): tests/test_engine.py covers the flat buffers.
+"""
 
 import keras
 import numpy as np
@@ -34,7 +37,7 @@ def _fit(strategy, policy="mixed_float16", prepare=None, epochs=2, **kwargs):
     with strategy.scope():
         model = _model(**kwargs)
     if prepare is not None:
-        kmp.prepare(model, jit_compile=prepare)
+        kmp.prepare(model, jit_compile=prepare, flat_buffers=False)
     history = model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history
 
@@ -120,7 +123,7 @@ def test_accumulation_with_xla_per_replica_equals_one_big_batch(two_replicas):
     keras.config.set_dtype_policy("float32")
     with two_replicas.scope():
         big = _model()
-    kmp.prepare(big)
+    kmp.prepare(big, flat_buffers=False)
     big.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     accumulated, _ = _fit(two_replicas, policy="float32", prepare="auto", accumulation=2)
     assert int(accumulated.optimizer.iterations.numpy()) == int(big.optimizer.iterations.numpy()) == 4
@@ -154,7 +157,7 @@ def test_a_tpu_strategy_keeps_kerass_step():
     assert not replica_step.wants_replica_xla(model, "auto")
     # Nor kmp's multi-step loop: Keras's own runs there (no merge_call on TPUs).
     model.steps_per_execution = 4
-    kmp.prepare(model)
+    kmp.prepare(model, flat_buffers=False)
     function = model._make_function(model.train_step).__wrapped__  # under kmp's error translation
     assert function.__qualname__ == "TensorFlowTrainer._make_function.<locals>.function"
 
@@ -163,7 +166,7 @@ def test_the_multi_step_loop_is_kmps_with_several_replicas(two_replicas):
     keras.config.set_dtype_policy("float32")
     with two_replicas.scope():
         model = _model(steps_per_execution=4)
-    kmp.prepare(model)
+    kmp.prepare(model, flat_buffers=False)
     function = model._make_function(model.train_step).__wrapped__
     assert function.__qualname__ == "_multi_step_function.<locals>.function"
 
@@ -171,11 +174,11 @@ def test_the_multi_step_loop_is_kmps_with_several_replicas(two_replicas):
 def test_switches(two_replicas):
     off, _ = _fit(two_replicas, policy="float32", prepare=False, epochs=1)
     assert "_kmp_replica_steps" not in vars(off)
-    kmp.prepare(off, jit_compile="auto")  # after a fit: the next fit rebuilds its step
+    kmp.prepare(off, jit_compile="auto", flat_buffers=False)  # after a fit: the next fit rebuilds its step
     off.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     assert len(vars(off)["_kmp_replica_steps"]) == 2
     with pytest.raises(ConfigError, match='jit_compile: expected "auto", True or False'):
-        kmp.prepare(off, jit_compile="yes")
+        kmp.prepare(off, jit_compile="yes", flat_buffers=False)
 
 
 def test_a_custom_train_step_is_kept(two_replicas):
@@ -191,7 +194,7 @@ def test_a_custom_train_step_is_kept(two_replicas):
         inputs = keras.Input((6,))
         model = Custom(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
-    kmp.prepare(model)
+    kmp.prepare(model, flat_buffers=False)
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     assert Custom.calls > 0 and "_kmp_replica_steps" not in vars(model)
 
@@ -200,7 +203,7 @@ def test_one_device_leaves_keras_in_charge():
     keras.config.set_dtype_policy("float32")
     model = _model()
     assert not replica_step.wants_replica_xla(model, True)
-    kmp.prepare(model, jit_compile=True)
+    kmp.prepare(model, jit_compile=True, flat_buffers=False)
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     assert "_kmp_replica_steps" not in vars(model)
 
@@ -211,7 +214,7 @@ def test_recompiling_a_prepared_model_uses_the_new_loss(two_replicas):
     with two_replicas.scope():
         model = _model()
         model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.0)), loss="mse")
-    kmp.prepare(model)
+    kmp.prepare(model, flat_buffers=False)
     mse = model.fit(X, Y + 10, batch_size=16, verbose=0).history["loss"][0]
     with two_replicas.scope():
         model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.0)), loss="mae")
@@ -227,7 +230,7 @@ def test_freezing_layers_and_recompiling_a_prepared_model_trains_as_unprepared(t
         with two_replicas.scope():
             model = _model()
         if prepare:
-            kmp.prepare(model)
+            kmp.prepare(model, flat_buffers=False)
         model.fit(X, Y, batch_size=16, verbose=0, shuffle=False)
         model.layers[1].trainable = False
         with two_replicas.scope():

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True,
-            flat_buffers: bool | str = False) -> keras.Model:
+            flat_buffers: bool | str = "auto") -> keras.Model:
     """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
