@@ -158,7 +158,8 @@ class Engine:
                 y_pred = model(x, **kwargs)
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             scaled = keras.ops.multiply(loss, scale)
-        grad = tape.gradient(scaled, weights)
+        grads = tape.gradient(scaled, values)
+        grad = self.buffers.join(grads)  # zeros where a variable got no gradient (it is then not updated)
         writes = {}
         for k, variable in enumerate(others):
             after = scope.get_current_value(variable)

@@ -36,12 +36,15 @@ accumulation window.
 from __future__ import annotations
 
 import functools
+import logging
 
 import keras
 import tensorflow as tf
 
 from kmp import fused
 from kmp.distribute.tpu import is_tpu_strategy
+
+logger = logging.getLogger(__name__)
 
 
 def support(model: keras.Model) -> str | None:
@@ -115,6 +118,7 @@ class FlatBuffers:
             }
         self._updates = {}
         self._copies = {}
+        self.missing = ()  # model positions of the variables without a gradient (see join)
 
     @staticmethod
     def _sizes(variables) -> list[int]:
@@ -133,6 +137,26 @@ class FlatBuffers:
         for position, part in zip(self.order, parts):
             out[position] = part
         return out
+
+    @tf.autograph.experimental.do_not_convert
+    def join(self, grads) -> tf.Tensor:
+        """Per-variable gradients (model order, None for no gradient) as one flat tensor.
+
+        Keras skips a variable whose gradient is None (no step, no weight
+        decay, slots untouched); so does the update, for the variables noted
+        here while the step is traced.
+        """
+        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        if missing != self.missing:
+            if self._updates:  # traced with the other set: trace the update again
+                self._updates = {}
+            self.missing = missing
+            if missing:
+                names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
+                logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
+                               "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
+        return tf.concat([tf.reshape(tf.zeros(s, tf.float32) if grads[i] is None else tf.cast(grads[i], tf.float32),
+                                     [-1]) for i, s in zip(self.order, self.shapes)], axis=0)
 
     def segment_finite(self, flat) -> tf.Tensor:
         """Per trainable variable (model order): True iff its part of `flat` is finite."""
@@ -160,13 +184,23 @@ class FlatBuffers:
         s["lr"] = learning_rate
         if clip_scale is not None:
             grad = grad * clip_scale
-        value = weights.read_value()
+        value = old = weights.read_value()
         if self.decayed:
             # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
             decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
             value = tf.where(tf.range(self.size) < self.decayed, decayed, value)
-        weights.assign(self.rule.update(s, h, value, grad, slots))
+        if self.missing:
+            keep = self._updated_mask()
+            slots = tuple(_Masked(slot, keep) for slot in slots)
+            weights.assign(tf.where(keep, self.rule.update(s, h, value, grad, slots), old))
+        else:
+            weights.assign(self.rule.update(s, h, value, grad, slots))
         iterations.assign_add(1)
+
+    def _updated_mask(self):
+        """True on the elements of variables that got a gradient (buffer order)."""
+        got = [position not in self.missing for position in self.order]
+        return tf.repeat(tf.constant(got), self.sizes)
 
     # --- Between steps (eagerly): copies to and from the Keras variables ---
 
@@ -208,6 +242,19 @@ class FlatBuffers:
         for name, buffer in buffers.items():
             for variable, part in zip(mirrors[name], self._parts(buffer.read_value())):
                 variable.assign(part)
+
+
+class _Masked:
+    """A slot variable whose assignments keep the old value where `keep` is False."""
+
+    def __init__(self, variable, keep):
+        self.variable, self.keep, self.old = variable, keep, variable.read_value()
+
+    def read_value(self):
+        return self.old
+
+    def assign(self, value):
+        return self.variable.assign(tf.where(self.keep, value, self.old))
 
 
 def _tf_variable(variable):

@@ -100,6 +100,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
     import tensorflow as tf
 
     import kmp.distribute
+    import kmp.engine
     import kmp.optimizer
 
     keras.config.set_dtype_policy("mixed_float16")
@@ -124,14 +125,17 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
     clean = [row for row in range(ROWS) if row != SPIKE_ROW][:40]  # 5 full global batches
     eval_loss = model.evaluate(make_dataset(x[clean], y[clean]), verbose=0)
     opt = model.optimizer
+    engine = kmp.engine.engine_of(model)
     return {
         "optimizer": type(opt).__name__,
         "weights": [w.tolist() for w in model.get_weights()],
         "loss": history.history["loss"],
         "eval_loss": eval_loss,
         "all_reduces": int(strategy.experimental_local_results(calls)[0].numpy()),
-        # kmp.distribute.replica_step's XLA functions, one per local replica (prepare's default).
-        "xla_per_replica": len(vars(model).get("_kmp_replica_steps", {})),
+        # The forward/backward XLA functions, one per local replica: the flat-buffer
+        # engine's (prepare's default), else kmp.distribute.replica_step's.
+        "flat_buffers": engine is not None,
+        "xla_per_replica": len(vars(engine).get("_steps", {})) if engine else len(vars(model).get("_kmp_replica_steps", {})),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
             **{k: int(getattr(opt, k).numpy()) for k in

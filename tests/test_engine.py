@@ -333,3 +333,37 @@ def test_the_engine_changes_only_this_instance():
     for name in ("fit", "evaluate", "save", "get_weights", "set_weights", "load_weights"):
         assert name in vars(model)
         assert name not in vars(other)
+
+
+class _WithUnused(keras.Model):
+    """A layer that is built and trainable but not used: it gets no gradient."""
+
+    def __init__(self):
+        super().__init__(name="net")
+        self.d1 = keras.layers.Dense(8, activation="relu", name="d1")
+        self.unused = keras.layers.Dense(3, name="unused")
+        self.out = keras.layers.Dense(1, name="out", dtype="float32")
+
+    def build(self, shape):
+        self.unused.build(shape)
+
+    def call(self, x):
+        return self.out(self.d1(x))
+
+
+def test_a_variable_without_gradient_is_not_updated_as_in_keras(caplog):
+    runs = []
+    for flat in (False, True):
+        keras.utils.set_random_seed(0)
+        model = _WithUnused()
+        model(np.zeros((1, FEATURES), "float32"))
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.AdamW(1e-2, weight_decay=0.1)), loss="mse")
+        initial = np.array(model.unused.kernel)
+        with caplog.at_level(logging.WARNING, logger="kmp.flat"):
+            kmp.prepare(model, flat_buffers=flat).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert (engine.engine_of(model) is not None) == flat
+        np.testing.assert_array_equal(np.array(model.unused.kernel), initial)  # no step, no weight decay
+        runs.append(_raw(model))
+    _assert_close(*runs)
+    assert "no gradient for 2 trainable variable(s) (net/unused/kernel, net/unused/bias)" in caplog.text
+    assert "AutoGraph could not transform" not in caplog.text

@@ -168,6 +168,7 @@ def test_workers_end_with_identical_weights_and_loss_scale_state(workers):
     # prepare() compiled each worker's forward/backward pass with XLA.
     assert first["xla_per_replica"] == second["xla_per_replica"] == 1
     assert first["accumulated"]["xla_per_replica"] == 1
+    assert first["flat_buffers"] and second["flat_buffers"] and first["accumulated"]["flat_buffers"]
     assert first["state"] == second["state"]
     assert first["loss"] == second["loss"]
     assert first["eval_loss"] == second["eval_loss"]
@@ -217,7 +218,7 @@ def test_accumulation_reduces_once_per_window_and_matches_one_process(workers, a
 def test_several_steps_per_execution_train_as_one_step_per_call(workers):
     for w in workers:
         four = w["four_steps_per_call"]
-        assert four["state"] == w["state"] and four["xla_per_replica"] == 1
+        assert four["state"] == w["state"] and four["xla_per_replica"] == 1 and four["flat_buffers"]
         np.testing.assert_allclose(four["loss"], w["loss"], rtol=1e-6)
         for a, b in zip(four["weights"], w["weights"]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
