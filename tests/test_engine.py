@@ -64,12 +64,6 @@ def _assert_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
 
 
-@pytest.fixture(params=["float32", "mixed_float16"])
-def policy(request):
-    keras.config.set_dtype_policy(request.param)
-    return request.param
-
-
 # --- The same training ------------------------------------------------------------
 
 
@@ -78,8 +72,9 @@ def policy(request):
     ("sgd", {"gradient_accumulation_steps": 3}),
     ("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
 ])
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("policy, replicas", [("float32", 1), ("mixed_float16", 1), ("mixed_float16", 2)])
 def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args, replicas, two_replicas):
+    keras.config.set_dtype_policy(policy)
     strategy = two_replicas if replicas == 2 else None
     if policy == "mixed_float16":
         # On one device both run the whole step with XLA: Keras's step
@@ -94,8 +89,12 @@ def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args
     slots = {"adamw": 2, "adam": 2, "sgd": 1}[optimizer]
     assert len(buffers.buffers) == 1 + slots + ("gradient_accumulation_steps" in wrap_args)
     assert buffers.size == sum(int(np.prod(v.shape)) for v in flat.trainable_variables)
-    # One ulp per step at most (XLA's FMA contraction); float16 forward passes round the difference.
-    rtol = 1e-5 if policy == "float32" else 2e-3
+    # Under the strategy both run XLA per replica and the same update math:
+    # bit for bit, except that a global norm (clipping) sums in another
+    # order. On one device, one ulp per step (the learning rate is computed
+    # outside XLA), which float16 forward passes round further.
+    exact = replicas == 2 and "gradient_clipping" not in wrap_args
+    rtol = 0 if exact else 1e-5 if policy == "float32" or replicas == 2 else 2e-3
     _assert_close(_raw(plain), _raw(flat), rtol=rtol, atol=rtol / 10)
     np.testing.assert_allclose(plain_logs["loss"], flat_logs["loss"], rtol=rtol)
     # The loss-scale trajectory is the same (scale, skipped steps).
