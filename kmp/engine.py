@@ -85,6 +85,7 @@ class Engine:
         self.buffers = flat.FlatBuffers(model)
         self.buffers.load()
         self.state = SAME
+        self.noted = set()  # callback classes whose per-batch copies were announced
 
     # --- The state machine ---
 
@@ -191,10 +192,26 @@ class _Sync(keras.callbacks.Callback):
 class _Around(keras.callbacks.Callback):
     """Just before (or after) a callback kmp does not know: a copy out (or in) around its overridden hooks."""
 
-    def __init__(self, hooks: set, before: bool):
+    def __init__(self, callback, hooks: set, before: bool):
         super().__init__()
+        self.watched, self.before = callback, before
         for hook in hooks:
-            setattr(self, hook, functools.partial(observe if before else written, self))
+            setattr(self, hook, functools.partial(self._around, hook))
+
+    def _around(self, hook, *_, **__):
+        engine = _engine_behind(self)
+        if engine is None:
+            return
+        if self.before and "batch" in hook and type(self.watched) not in engine.noted:
+            engine.noted.add(type(self.watched))
+            logger.warning(
+                "kmp: %s overrides %s: the flat-buffer engine copies the weights to the model before each "
+                "call and back after it. If it neither reads nor writes weights there, set "
+                "kmp_reads_weights = False on it.", type(self.watched).__name__, hook)
+        if self.before:
+            engine.observe()
+        else:
+            engine.written()
 
 
 def callbacks(model: keras.Model, given) -> list:
@@ -208,18 +225,8 @@ def callbacks(model: keras.Model, given) -> list:
         if type(callback) in known or getattr(callback, "kmp_reads_weights", True) is False or not hooks:
             out.append(callback)
             continue
-        batch = sorted(h for h in hooks if "batch" in h)
-        if batch and type(callback) not in _NOTED:
-            _NOTED.add(type(callback))
-            logger.warning(
-                "kmp: %s overrides %s: with the flat-buffer engine, the weights are copied to the model "
-                "before each call and back after it. If it neither reads nor writes weights there, set "
-                "kmp_reads_weights = False on it.", type(callback).__name__, ", ".join(batch))
-        out += [_Around(hooks, before=True), callback, _Around(hooks, before=False)]
+        out += [_Around(callback, hooks, before=True), callback, _Around(callback, hooks, before=False)]
     return out
-
-
-_NOTED: set = set()
 
 
 def observe(model_or_callback, *_, **__) -> None:
