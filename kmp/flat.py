@@ -22,14 +22,15 @@ component) that Keras does not track: checkpoints and `.keras` files hold the
 Keras variables only, in Keras's format (kmp.engine copies the buffers into
 them before anything can observe them).
 
-The update is Keras's `update_step` for SGD (momentum, nesterov), Adam and
-AdamW, with the same per-element math as kmp.fused (its `_SGD`/`_Adam` rules
-run on the flat slots): weights agree with the per-variable path to about one
-ulp per step.
+The update is Keras's `update_step`, op for op: for SGD (momentum,
+nesterov), Adam and AdamW kmp.fused's `_SGD`/`_Adam` rules run on the flat
+slots; Lion, Adagrad and Lamb have their rules here (Lamb's trust ratio per
+variable, as segment norms). Weights agree with the per-variable path to
+about one ulp per step.
 
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
-weights, 4 (SGD with momentum) or 8 (Adam) for the slots, 4 for the
+weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots, 4 for the
 accumulation window.
 """
 
@@ -55,7 +56,8 @@ def support(model: keras.Model) -> str | None:
     if not optimizer.fused:
         return "the optimizer was made with fused=False"
     inner = optimizer.inner_optimizer
-    reason = fused.fused_support(inner)
+    reason = fused.fused_support(inner, HYPERPARAMETERS,
+                                 "the flat buffers update SGD, Adam, AdamW, Lion, Adagrad and Lamb")
     if reason is not None:
         return reason
     own = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if getattr(inner, name)]
@@ -98,19 +100,18 @@ class FlatBuffers:
         self.size = sum(self.sizes)
         # The Keras variables each buffer mirrors, in buffer order.
         index = [inner._get_variable_index(v) for v in self.variables]
+        self.rule = _RULES[type(inner)]
         if isinstance(inner, keras.optimizers.SGD):
-            self.rule = fused._SGD
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
         else:
-            self.rule = fused._Adam
-            slots = {"momentum": [inner._momentums[i] for i in index],
-                     "velocity": [inner._velocities[i] for i in index]}
+            slots = {name: [getattr(inner, attribute)[i] for i in index]
+                     for name, attribute in getattr(self.rule, "slots", _ADAM_SLOTS)}
         self.mirrors = {"weights": self.variables, **slots}
         if optimizer.accumulation is not None:
             position = {id(v): k for k, v in enumerate(trainable)}
             self.mirrors["sums"] = [optimizer.accumulation.sums[position[id(v)]] for v in self.variables]
         self.slot_names = tuple(slots)
-        self.hyper = {name: getattr(inner, name) for name in fused._HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
+        self.hyper = {name: getattr(inner, name) for name in HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
         with self.strategy.scope():
             self.buffers = {
                 name: tf.Variable(tf.zeros([self.size]), trainable=False, name=f"kmp_flat_{name}")
@@ -182,6 +183,9 @@ class FlatBuffers:
         step = iterations.read_value()
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
         s["lr"] = learning_rate
+        if getattr(self.rule, "per_variable", False):
+            s["segments"] = tf.repeat(tf.range(len(self.sizes)), self.sizes)
+            s["count"] = len(self.sizes)
         if clip_scale is not None:
             grad = grad * clip_scale
         value = old = weights.read_value()
@@ -242,6 +246,81 @@ class FlatBuffers:
         for name, buffer in buffers.items():
             for variable, part in zip(mirrors[name], self._parts(buffer.read_value())):
                 variable.assign(part)
+
+
+_ADAM_SLOTS = (("momentum", "_momentums"), ("velocity", "_velocities"))
+
+
+class _Lion:
+    """keras.optimizers.Lion.update_step on flat tensors."""
+
+    slots = (("momentum", "_momentums"),)
+
+    @staticmethod
+    def scalars(h, lr, local_step, dtype):
+        return {"beta_1": tf.cast(h["beta_1"], dtype), "beta_2": tf.cast(h["beta_2"], dtype)}
+
+    @staticmethod
+    def update(s, h, value, grad, slots):
+        (m,) = slots
+        m_value = m.read_value()
+        step = s["lr"] * tf.sign(m_value * s["beta_1"] + grad * (1.0 - s["beta_1"]))
+        m.assign(m_value * s["beta_2"] + grad * (1.0 - s["beta_2"]))
+        return value - step
+
+
+class _Adagrad:
+    """keras.optimizers.Adagrad.update_step on flat tensors."""
+
+    slots = (("accumulator", "_accumulators"),)
+
+    @staticmethod
+    def scalars(h, lr, local_step, dtype):
+        return {"epsilon": tf.constant(h["epsilon"], dtype)}
+
+    @staticmethod
+    def update(s, h, value, grad, slots):
+        (accumulator,) = slots
+        total = accumulator.read_value() + tf.square(grad)
+        accumulator.assign(total)
+        return value - (s["lr"] * grad) / tf.sqrt(total + s["epsilon"])
+
+
+class _Lamb:
+    """keras.optimizers.Lamb.update_step on flat tensors: its trust ratio per variable (segment)."""
+
+    slots = _ADAM_SLOTS
+    per_variable = True
+
+    @staticmethod
+    def scalars(h, lr, local_step, dtype):
+        return {"beta_1_power": tf.pow(tf.cast(h["beta_1"], dtype), local_step),
+                "beta_2_power": tf.pow(tf.cast(h["beta_2"], dtype), local_step)}
+
+    @staticmethod
+    def update(s, h, value, grad, slots):
+        m, v = slots
+        m_value, v_value = m.read_value(), v.read_value()
+        m_value = m_value + (grad - m_value) * (1 - h["beta_1"])
+        v_value = v_value + (tf.square(grad) - v_value) * (1 - h["beta_2"])
+        m.assign(m_value)
+        v.assign(v_value)
+        update = (m_value / (1.0 - s["beta_1_power"])) / (
+            tf.sqrt(v_value / (1.0 - s["beta_2_power"])) + h["epsilon"])
+
+        def norms(x):
+            return tf.gather(tf.sqrt(tf.math.unsorted_segment_sum(tf.square(x), s["segments"], s["count"])),
+                             s["segments"])
+
+        w_norm, g_norm = norms(value), norms(update)
+        ratio = tf.where(w_norm > 0, tf.where(g_norm > 0, w_norm / g_norm, 1.0), 1.0)
+        return value - ratio * s["lr"] * update
+
+
+_RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,
+          keras.optimizers.Lion: _Lion, keras.optimizers.Adagrad: _Adagrad, keras.optimizers.Lamb: _Lamb}
+HYPERPARAMETERS = {**fused._HYPERPARAMETERS, keras.optimizers.Lion: ("beta_1", "beta_2"),
+                   keras.optimizers.Adagrad: ("epsilon",), keras.optimizers.Lamb: ("beta_1", "beta_2", "epsilon")}
 
 
 class _Masked:

@@ -79,12 +79,17 @@ _INTERNALS = ("_learning_rate", "_iterations", "_trainable_variables_indices", "
 GROUP_SIZE = 256  # variables per XLA computation (see "Layout" above)
 
 
-def fused_support(optimizer) -> str | None:
-    """None if `fused_apply` fuses this optimizer's update, else why not."""
+def fused_support(optimizer, hyperparameters=None, fused_types="kmp fuses SGD, Adam and AdamW") -> str | None:
+    """None if `fused_apply` fuses this optimizer's update, else why not.
+
+    `hyperparameters` ({optimizer class: its hyperparameter names}) and
+    `fused_types` let kmp.flat, which updates more classes, ask the same.
+    """
+    hyperparameters = hyperparameters or _HYPERPARAMETERS
     kind = type(optimizer)
-    if kind not in _FUSED_TYPES:
+    if kind not in hyperparameters:
         # Exact types only: a subclass may override update_step.
-        return f"{kind.__name__} has no fused update (kmp fuses SGD, Adam and AdamW)"
+        return f"{kind.__name__} has no fused update ({fused_types})"
     missing = [name for name in _INTERNALS if not hasattr(optimizer, name)]
     if missing:
         return f"this Keras version lacks the optimizer internals kmp.fused reads ({', '.join(missing)})"
@@ -96,7 +101,7 @@ def fused_support(optimizer) -> str | None:
         return f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
     if optimizer.loss_scale_factor is not None:
         return f"loss_scale_factor={optimizer.loss_scale_factor}"
-    for name in _HYPERPARAMETERS[kind] + _CLIPPING:
+    for name in hyperparameters[kind] + _CLIPPING:
         value = getattr(optimizer, name)
         if value is not None and not isinstance(value, (int, float)):
             return f"{name} is a {type(value).__name__}, not a number"

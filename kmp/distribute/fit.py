@@ -67,8 +67,8 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     predict, save, save_weights, get_weights, set_weights, load_weights and
     fit are wrapped on this instance. "auto" falls back to the per-variable
     path, with a one-line note, where the buffers do not apply (an optimizer
-    other than SGD, Adam, AdamW; non-float32 variables; see
-    kmp.flat.support); True says the same as a warning. False: off.
+    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; non-float32 variables;
+    see kmp.flat.support); True says the same as a warning. False: off.
 
     Two of the instance's methods are replaced, each delegating to Keras's
     (besides the XLA step above):
