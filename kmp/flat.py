@@ -43,6 +43,7 @@ import keras
 import tensorflow as tf
 
 from kmp import fused
+from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.tpu import is_tpu_strategy
 
 logger = logging.getLogger(__name__)
@@ -100,12 +101,12 @@ class FlatBuffers:
         self.size = sum(self.sizes)
         # The Keras variables each buffer mirrors, in buffer order.
         index = [inner._get_variable_index(v) for v in self.variables]
-        self.rule = _RULES[type(inner)]
+        self.rule = RULES[type(inner)]
         if isinstance(inner, keras.optimizers.SGD):
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
         else:
             slots = {name: [getattr(inner, attribute)[i] for i in index]
-                     for name, attribute in getattr(self.rule, "slots", _ADAM_SLOTS)}
+                     for name, attribute in getattr(self.rule, "slots", ADAM_SLOTS)}
         self.mirrors = {"weights": self.variables, **slots}
         if optimizer.accumulation is not None:
             position = {id(v): k for k, v in enumerate(trainable)}
@@ -246,81 +247,6 @@ class FlatBuffers:
         for name, buffer in buffers.items():
             for variable, part in zip(mirrors[name], self._parts(buffer.read_value())):
                 variable.assign(part)
-
-
-_ADAM_SLOTS = (("momentum", "_momentums"), ("velocity", "_velocities"))
-
-
-class _Lion:
-    """keras.optimizers.Lion.update_step on flat tensors."""
-
-    slots = (("momentum", "_momentums"),)
-
-    @staticmethod
-    def scalars(h, lr, local_step, dtype):
-        return {"beta_1": tf.cast(h["beta_1"], dtype), "beta_2": tf.cast(h["beta_2"], dtype)}
-
-    @staticmethod
-    def update(s, h, value, grad, slots):
-        (m,) = slots
-        m_value = m.read_value()
-        step = s["lr"] * tf.sign(m_value * s["beta_1"] + grad * (1.0 - s["beta_1"]))
-        m.assign(m_value * s["beta_2"] + grad * (1.0 - s["beta_2"]))
-        return value - step
-
-
-class _Adagrad:
-    """keras.optimizers.Adagrad.update_step on flat tensors."""
-
-    slots = (("accumulator", "_accumulators"),)
-
-    @staticmethod
-    def scalars(h, lr, local_step, dtype):
-        return {"epsilon": tf.constant(h["epsilon"], dtype)}
-
-    @staticmethod
-    def update(s, h, value, grad, slots):
-        (accumulator,) = slots
-        total = accumulator.read_value() + tf.square(grad)
-        accumulator.assign(total)
-        return value - (s["lr"] * grad) / tf.sqrt(total + s["epsilon"])
-
-
-class _Lamb:
-    """keras.optimizers.Lamb.update_step on flat tensors: its trust ratio per variable (segment)."""
-
-    slots = _ADAM_SLOTS
-    per_variable = True
-
-    @staticmethod
-    def scalars(h, lr, local_step, dtype):
-        return {"beta_1_power": tf.pow(tf.cast(h["beta_1"], dtype), local_step),
-                "beta_2_power": tf.pow(tf.cast(h["beta_2"], dtype), local_step)}
-
-    @staticmethod
-    def update(s, h, value, grad, slots):
-        m, v = slots
-        m_value, v_value = m.read_value(), v.read_value()
-        m_value = m_value + (grad - m_value) * (1 - h["beta_1"])
-        v_value = v_value + (tf.square(grad) - v_value) * (1 - h["beta_2"])
-        m.assign(m_value)
-        v.assign(v_value)
-        update = (m_value / (1.0 - s["beta_1_power"])) / (
-            tf.sqrt(v_value / (1.0 - s["beta_2_power"])) + h["epsilon"])
-
-        def norms(x):
-            return tf.gather(tf.sqrt(tf.math.unsorted_segment_sum(tf.square(x), s["segments"], s["count"])),
-                             s["segments"])
-
-        w_norm, g_norm = norms(value), norms(update)
-        ratio = tf.where(w_norm > 0, tf.where(g_norm > 0, w_norm / g_norm, 1.0), 1.0)
-        return value - ratio * s["lr"] * update
-
-
-_RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,
-          keras.optimizers.Lion: _Lion, keras.optimizers.Adagrad: _Adagrad, keras.optimizers.Lamb: _Lamb}
-HYPERPARAMETERS = {**fused._HYPERPARAMETERS, keras.optimizers.Lion: ("beta_1", "beta_2"),
-                   keras.optimizers.Adagrad: ("epsilon",), keras.optimizers.Lamb: ("beta_1", "beta_2", "epsilon")}
 
 
 class _Masked:
