@@ -160,7 +160,9 @@ class Engine:
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             scaled = keras.ops.multiply(loss, scale)
         grads = tape.gradient(scaled, values)
-        grad = self.buffers.join(grads)  # zeros where a variable got no gradient (it is then not updated)
+        # Zeros where a variable got no gradient (it is then not updated); unscaled
+        # here, as kmp.gradients.unscale does (float32 / scale), fused into this computation.
+        grad = self.buffers.join(grads) / tf.cast(scale, tf.float32)
         writes = {}
         for k, variable in enumerate(others):
             after = scope.get_current_value(variable)

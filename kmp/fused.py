@@ -66,7 +66,6 @@ from kmp.gradients import clip_by_global_norm, global_clip_scale
 
 logger = logging.getLogger(__name__)
 
-_FUSED_TYPES = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW)
 _HYPERPARAMETERS = {
     keras.optimizers.SGD: ("momentum", "nesterov"),
     keras.optimizers.Adam: ("beta_1", "beta_2", "epsilon"),
