@@ -378,3 +378,22 @@ def test_a_variable_without_gradient_is_not_updated_as_in_keras(caplog):
     _assert_close(*runs)
     assert "no gradient for 2 trainable variable(s) (net/unused/kernel, net/unused/bias)" in caplog.text
     assert "AutoGraph could not transform" not in caplog.text
+
+
+def test_auto_keeps_large_variables_per_variable(caplog):
+    def large():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((400,)), keras.layers.Dense(400, name="wide")], name="wide_net")
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+        return model
+
+    x = np.random.RandomState(0).randn(16, 400).astype("float32")
+    with caplog.at_level(logging.INFO, logger="kmp.distribute.fit"):
+        auto = kmp.prepare(large())
+        auto.fit(x, x, batch_size=8, verbose=0)
+    assert engine.engine_of(auto) is None
+    assert "its variables hold 80,200 parameters on average (> 65,536)" in caplog.text
+    forced = kmp.prepare(large(), flat_buffers=True)
+    forced.fit(x, x, batch_size=8, verbose=0)
+    assert engine.engine_of(forced) is not None
+    _assert_close(_raw(auto), _raw(forced))

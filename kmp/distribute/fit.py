@@ -193,6 +193,12 @@ def _engine_for(model):
         # Without a strategy Keras builds it in the first step; the buffers need its slots now.
         with model.distribute_strategy.scope():
             model.optimizer.build(model.trainable_variables)
+    if setting == "auto" and reason is None:
+        sizes = [int(tf.TensorShape(v.shape).num_elements()) for v in model.trainable_variables]
+        mean = sum(sizes) // len(sizes)
+        if mean > AUTO_MEAN_PARAMETERS:
+            reason = (f"its variables hold {mean:,} parameters on average (> {AUTO_MEAN_PARAMETERS:,}), where "
+                      f"per-variable updates measured faster; flat_buffers=True uses the buffers anyway")
     if reason is not None:
         if reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
             model.__dict__["_kmp_flat_noted"].add(reason)
@@ -206,6 +212,17 @@ def _engine_for(model):
             current.observe()  # the old buffers' last values, into the variables the new ones start from
         model.__dict__["_kmp_engine"] = engine.Engine(model)
     return model.__dict__["_kmp_engine"]
+
+
+# "auto" keeps the per-variable path for models of large variables. Measured
+# through fit() on this 2-core CPU (benchmarks/p3_fit_path.py, Adam): 200
+# variables of 100,000 parameters took 57.9 ms per step per variable and 73.0
+# with the buffers (the gradient's concatenation and the weights' slices cost
+# more passes over memory than 200 variables cost in overhead); 1004 variables
+# of ~1,000 (benchmarks/p5_small_variables.py) took 1726 ms per variable and
+# 36.8 with the buffers; the P1 MLP (80 variables, ~33,000 on average) under
+# MirroredStrategy 41.5 and 33.7.
+AUTO_MEAN_PARAMETERS = 65_536
 
 
 def _around_steps(buffers, function):
