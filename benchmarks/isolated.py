@@ -2,18 +2,27 @@
 
 Some variants cannot be trusted to finish: stock Keras's whole-step XLA on a
 model of 1000 small variables compiled for 40 minutes and filled 24 GiB on
-this machine. So each variant runs in its own process:
+this machine. So each variant runs in its own process, and only one
+computes at a time (the others wait on their stdin):
 
-    for each variant, one at a time:          # nothing else runs meanwhile
+    for each resident variant (the references), one at a time:
         start its worker; it builds the model and times its first call
         (trace + compile) alone
-        past the wall-clock limit, or its RSS past the memory limit:
+        past the wall-clock limit, its RSS past the memory limit, or the
+        machine's available memory below a floor:
             kill it; the row says "did not finish" and why
-    warm-up round, then `rounds` rounds:      # as common.interleaved
-        each live worker measures once (ms), in turn
+    for each other variant, one at a time:
+        build it alone, as above
+        warm-up round, then `rounds` rounds:  # as common.interleaved
+            it and each resident worker measure once (ms), in turn
+        end its worker
+    (with every variant resident: one warm-up round and `rounds` rounds of all)
 
-Only one worker computes at a time; the others wait on their stdin. The
-parent imports no TensorFlow.
+The non-resident rows are for workers that hold gigabytes once built
+(a traced step of 2000 variables held 4-7 GiB here): each shares the
+machine with the references only, and each is timed interleaved with them,
+so its ratio to a reference is measured side by side. The parent imports
+no TensorFlow.
 
 Worker protocol (stdout lines starting with "@@"; anything else printed is
 passed on to stderr): `@@ready <first-call seconds>` once built, then one
@@ -98,7 +107,7 @@ class _Worker:
         self.process.stdin.write(command + "\n")
         self.process.stdin.flush()
 
-    def reply(self, outcome: Outcome, limit: float, rss_limit: float, what: str) -> str | None:
+    def reply(self, outcome: Outcome, limit: float, rss_limit: float, floor: float, what: str) -> str | None:
         """The next protocol line, or None after recording in `outcome` why there is none."""
         start = time.perf_counter()
         while True:
@@ -119,6 +128,9 @@ class _Worker:
             elif outcome.peak_rss > rss_limit:
                 outcome.failure = (f"stopped at RSS {outcome.peak_rss:.1f} GiB > {rss_limit:.0f} GiB "
                                    f"after {waited:.0f} s of {what} (killed)")
+            elif psutil.virtual_memory().available / GIB < floor:
+                outcome.failure = (f"stopped after {waited:.0f} s of {what}: the machine had less than {floor:.0f} "
+                                   f"GiB available (killed at RSS {outcome.peak_rss:.1f} GiB)")
             else:
                 continue
             self.kill()
@@ -130,42 +142,79 @@ class _Worker:
             self.process.wait()
 
 
-def run(variants: dict[str, Variant], rounds: int, rss_limit_gib: float = 16.0, round_limit: float = 600.0,
-        warmup: int = 1, log=print) -> dict[str, Outcome]:
-    """Builds each variant in its own worker, then times them in interleaved rounds."""
+def run(variants: dict[str, Variant], rounds: int, *, resident=None, rss_limit_gib: float = 16.0,
+        memory_floor_gib: float = 2.0, round_limit: float = 600.0, warmup: int = 1, log=print) -> dict[str, Outcome]:
+    """Builds each variant in its own worker and times them in interleaved rounds.
+
+    `resident` (default: all) names the variants whose workers stay alive for
+    the whole run. Each other variant is built after them, timed in rounds
+    interleaved with the resident ones, and ended before the next is built:
+    a worker that holds gigabytes (a traced or compiled step of thousands of
+    variables) then never shares the machine with another one. A worker is
+    also killed when the machine's available memory falls below
+    `memory_floor_gib` (other processes share it).
+    """
+    resident = list(variants) if resident is None else [name for name in variants if name in resident]
     outcomes = {name: Outcome() for name in variants}
-    workers = {}
-    try:
-        for name, variant in variants.items():
-            start = time.perf_counter()
-            load = os.getloadavg()[0]
-            worker = _Worker(variant.argv)
-            line = worker.reply(outcomes[name], variant.build_limit, rss_limit_gib, "the first call")
-            outcomes[name].built_in = time.perf_counter() - start
-            if line is None:
-                log(f"  {name}: {outcomes[name].failure}")
-                continue
-            outcomes[name].first = float(line.split()[1])
-            workers[name] = worker
-            log(f"  {name}: first call {outcomes[name].first:.1f} s (ready after {outcomes[name].built_in:.0f} s, "
-                f"load {load:.1f}, RSS {outcomes[name].peak_rss:.1f} GiB)")
+    limits = (rss_limit_gib, memory_floor_gib)
+    alive = {}
+
+    def build(name):
+        start = time.perf_counter()
+        load = os.getloadavg()[0]
+        worker = _Worker(variants[name].argv)
+        line = worker.reply(outcomes[name], variants[name].build_limit, *limits, "the first call")
+        outcomes[name].built_in = time.perf_counter() - start
+        if line is None:
+            log(f"  {name}: {outcomes[name].failure}")
+            return None
+        outcomes[name].first = float(line.split()[1])
+        log(f"  {name}: first call {outcomes[name].first:.1f} s (ready after {outcomes[name].built_in:.0f} s, "
+            f"load {load:.1f}, RSS {outcomes[name].peak_rss:.1f} GiB)")
+        return worker
+
+    def rounds_of(workers):
         for index in range(warmup + rounds):
             for name, worker in list(workers.items()):
                 worker.send("measure")
-                line = worker.reply(outcomes[name], round_limit, rss_limit_gib, f"round {index}")
+                line = worker.reply(outcomes[name], round_limit, *limits, f"round {index}")
                 if line is None:
                     del workers[name]
+                    alive.pop(name, None)
                     log(f"  {name}: {outcomes[name].failure}")
                 elif index >= warmup:
                     outcomes[name].times.append(float(line.split()[1]))
-        for name, worker in workers.items():
-            worker.send("note")
-            line = worker.reply(outcomes[name], round_limit, rss_limit_gib, "the note")
-            if line is not None:
-                outcomes[name].note = line[len("note"):].strip()
+
+    def end(name, worker):
+        worker.send("note")
+        line = worker.reply(outcomes[name], round_limit, *limits, "the note")
+        if line is not None:
+            outcomes[name].note = line[len("note"):].strip()
             worker.send("quit")
+            worker.process.wait(timeout=60)
+
+    try:
+        for name in resident:
+            worker = build(name)
+            if worker is not None:
+                alive[name] = worker
+        visitors = [name for name in variants if name not in resident]
+        if not visitors:
+            rounds_of(dict(alive))
+        for name in visitors:
+            worker = build(name)
+            if worker is None:
+                continue
+            try:
+                rounds_of({name: worker, **alive})
+                if worker.process.poll() is None:
+                    end(name, worker)
+            finally:
+                worker.kill()
+        for name, worker in alive.items():
+            end(name, worker)
     finally:
-        for worker in workers.values():
+        for worker in alive.values():
             worker.kill()
     return outcomes
 

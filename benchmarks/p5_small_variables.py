@@ -20,8 +20,9 @@ the mixed_float16 policy. Rows:
 Each row is its own worker process (benchmarks/isolated.py), built alone
 under a wall-clock limit (--xla-limit for the +xla rows, default 300 s;
 --build-limit for the others) and a memory limit (--rss-limit, default 16
-GiB); a row past either is killed and reported as "did not finish". The
-rows that finish are then timed in interleaved rounds. Reported: ms per step
+GiB; and 2 GiB left on the machine); a row past either is killed and
+reported as "did not finish". The `keras` row (the baseline) stays alive;
+each other row is timed in rounds interleaved with it, then ended. Reported: ms per step
 (fit() in steady state, common.fit_ms_per_step), median over rounds
 (min-max), the ratio to stock Keras without XLA (issue 12's target for kmp:
 <= 0.5x), and the first fit() call of 2 steps (trace + compile + 2 steps;
@@ -130,7 +131,7 @@ def main(argv=None):
         }
         start = time.perf_counter()
         print(f"\n{blocks} {args.layout} blocks ({4 * blocks + 2} variables): building each row alone")
-        outcomes = isolated.run(variants, args.rounds, rss_limit_gib=args.rss_limit)
+        outcomes = isolated.run(variants, args.rounds, resident=["keras"], rss_limit_gib=args.rss_limit)
         isolated.table(f"{blocks} {args.layout} blocks: ms per step, ratio to stock Keras without XLA; "
                        f"{time.perf_counter() - start:.0f} s, load {os.getloadavg()[0]:.1f}",
                        outcomes, "keras" if "keras" in outcomes else None)
