@@ -2,7 +2,7 @@
 
 p3_fused_bandwidth.py times the update alone; issue 12 asks for it
 "measured through the path fit() uses". Here a model holds `count` float32
-weight vectors of `size` (200 x 100K and 2000 x 1K, 20M parameters each)
+weight vectors of `size` (200 x 100K: 20M parameters; 2000 x 1K: 2M)
 and its forward pass is trivial, so the update dominates the step:
 
     y = x * sum_i mean(w_i)        # x: one scalar per example, batch 8
