@@ -45,6 +45,13 @@ from dataclasses import dataclass, field
 
 import psutil
 
+# Benchmark the kmp of this checkout: a script's own folder (benchmarks/) is
+# first on sys.path and the checkout's root is not, so an installed kmp (an
+# older copy, here) would be imported instead.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
 GIB = 1024**3
 PREFIX = "@@"
 
@@ -124,7 +131,8 @@ class _Worker:
                 return line
             waited = time.perf_counter() - start
             if waited > limit:
-                outcome.failure = f"did not finish {what} in {limit:.0f} s (killed; peak RSS {outcome.peak_rss:.1f} GiB)"
+                outcome.failure = (f"did not finish {what} in {limit:.0f} s "
+                                   f"(killed; peak RSS {outcome.peak_rss:.1f} GiB)")
             elif outcome.peak_rss > rss_limit:
                 outcome.failure = (f"stopped at RSS {outcome.peak_rss:.1f} GiB > {rss_limit:.0f} GiB "
                                    f"after {waited:.0f} s of {what} (killed)")

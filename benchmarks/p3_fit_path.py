@@ -119,6 +119,8 @@ def _model_class():
 
 
 def _build_fit(name, count, size, steps):
+    import os
+
     import keras
     import numpy as np
 
@@ -145,7 +147,8 @@ def _build_fit(name, count, size, steps):
     def note():
         opt = model.optimizer
         if isinstance(opt, kmp.LossScaleOptimizer):
-            return (f"{type(opt).__module__}.{type(opt).__name__}, fused={opt.fused}; skipped steps "
+            return (f"{type(opt).__module__}.{type(opt).__name__} ({os.path.dirname(kmp.__file__)}), "
+                    f"fused={opt.fused}; skipped steps "
                     f"{int(opt.skipped_steps.numpy())}, updates {int(opt.inner_optimizer.iterations.numpy())}")
         return f"{type(opt).__module__}.{type(opt).__name__}, {int(opt.iterations.numpy())} updates"
 

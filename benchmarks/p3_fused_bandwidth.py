@@ -58,6 +58,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import common  # noqa: E402,F401  (this checkout's kmp first on sys.path)
 from kmp import fused  # noqa: E402
 from kmp.fused import fused_apply  # noqa: E402
 

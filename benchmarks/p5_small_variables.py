@@ -1,10 +1,19 @@
 """P5: a model of >= 1000 small variables, mixed_float16, one device.
 
 Issue 12's "many small variables" model: `blocks` Dense(64) + LayerNormalization
-blocks (4 variables each, so 250 blocks are 1002 variables with the head),
-stacked one after the other or as parallel branches summed at the end, a
-float32 Dense(1) head, Adam, mse, batch 64, on one device (no strategy), with
-the mixed_float16 policy. Rows:
+blocks (4 variables each, so 250 blocks are 1004 variables with the final
+LayerNormalization and the head), a float32 Dense(1) head, Adam, mse, batch 64, on one device (no strategy), with
+the mixed_float16 policy; the blocks are either
+
+    stacked      x = x + Dense(64, relu)(LayerNormalization(x)), `blocks` times
+                 (pre-norm residual: a plain stack of Dense(relu) ->
+                 LayerNormalization overflowed float16 gradients at every
+                 loss scale down to 1 from 100 blocks on)
+    parallel     sum over `blocks` branches of LayerNormalization(Dense(64, relu)(x))
+
+The note under each row gives the loss-scale optimizer's applied updates
+(and kmp's skipped steps): a skipped step does no update, so rows with
+many skips would be timed short. Rows:
 
     keras        stock Keras, compile(jit_compile=False) (Keras wraps Adam in its
                  LossScaleOptimizer; "auto" is the same on a CPU-only machine)
@@ -53,16 +62,19 @@ def build_model(layout: str, blocks: int):
     import keras
 
     inputs = keras.Input((WIDTH,))
-    outputs = []
     x = inputs
-    for _ in range(blocks):
-        branch = keras.layers.Dense(WIDTH, activation="relu")(x if layout == "stacked" else inputs)
-        branch = keras.layers.LayerNormalization()(branch)
-        if layout == "stacked":
-            x = branch
-        else:
-            outputs.append(branch)
-    x = x if layout == "stacked" else keras.layers.Add()(outputs)
+    if layout == "stacked":
+        # Pre-norm residual blocks. A plain stack, Dense(relu) -> LayerNorm,
+        # overflowed float16 gradients at every loss scale down to 1 with 100
+        # blocks (every step skipped: nothing to time).
+        for _ in range(blocks):
+            branch = keras.layers.Dense(WIDTH, activation="relu")(keras.layers.LayerNormalization()(x))
+            x = keras.layers.Add()([x, branch])
+    else:
+        branches = [keras.layers.LayerNormalization()(keras.layers.Dense(WIDTH, activation="relu")(inputs))
+                    for _ in range(blocks)]
+        x = keras.layers.Add()(branches)
+    x = keras.layers.LayerNormalization()(x)  # the head sees unit-scale inputs: a loss of ~1, not ~10^4
     x = keras.layers.Dense(1)(x)
     x = keras.layers.Activation("linear", dtype="float32")(x)
     return keras.Model(inputs, x)
@@ -91,7 +103,7 @@ def _build(name, layout, blocks, steps):
     def note():
         opt = model.optimizer
         skipped = getattr(opt, "skipped_steps", None)
-        skipped = "" if skipped is None else f", skipped steps {int(skipped.numpy())}"
+        skipped = "" if skipped is None else f" ({os.path.dirname(kmp.__file__)}), skipped steps {int(skipped.numpy())}"
         return (f"{len(model.trainable_variables)} trainable variables; {type(opt).__module__}.{type(opt).__name__}"
                 f"{skipped}, inner updates {int(opt.inner_optimizer.iterations.numpy())}")
 
@@ -130,7 +142,7 @@ def main(argv=None):
             for row in args.rows.split(",")
         }
         start = time.perf_counter()
-        print(f"\n{blocks} {args.layout} blocks ({4 * blocks + 2} variables): building each row alone")
+        print(f"\n{blocks} {args.layout} blocks ({4 * blocks + 4} variables): building each row alone")
         outcomes = isolated.run(variants, args.rounds, resident=["keras"], rss_limit_gib=args.rss_limit)
         isolated.table(f"{blocks} {args.layout} blocks: ms per step, ratio to stock Keras without XLA; "
                        f"{time.perf_counter() - start:.0f} s, load {os.getloadavg()[0]:.1f}",
