@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
+
+# Benchmark the kmp of this checkout: a script's own folder (benchmarks/) is
+# first on sys.path and the checkout's root is not, so an installed kmp (an
+# older copy, here) would be imported instead.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

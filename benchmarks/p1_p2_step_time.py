@@ -10,7 +10,13 @@ strategy, and one device (Keras with and without whole-step XLA).
 P2 (target <= 1.05x): kmp's dynamic loss scaling vs a static scale, on the
 same step, on one device and under the strategy.
 
+Issue 12's P1 targets (`--issue12`: only the three rows they compare, no P2):
+kmp prepared under the strategy <= 1.15x stock Keras on ONE device with
+whole-step XLA (same global batch), and <= 0.45x stock Keras under the
+strategy.
+
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
+    python benchmarks/p1_p2_step_time.py --issue12 [--rounds 3] [--steps 15]
 
 Run it on a quiet machine: it reports medians of interleaved rounds.
 """
@@ -18,6 +24,7 @@ Run it on a quiet machine: it reports medians of interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import time
 
 from common import fit_ms_per_step, interleaved, mlp, regression_data, report, use_two_logical_cpus
 
@@ -27,6 +34,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--issue12", action="store_true", help="only the rows issue 12 compares; no P2")
     args = parser.parse_args()
 
     use_two_logical_cpus()
@@ -57,18 +65,36 @@ def main() -> None:
     kmp_unfused = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, fused=False)
     kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
 
-    p1 = {
-        "Mirrored, mixed_float16, Keras LSO (stock)": compiled(mirrored, "mixed_float16", keras_lso),
-        "Mirrored, mixed_float16, kmp prepared": compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
-        "  same, unfused update": compiled(mirrored, "mixed_float16", kmp_unfused, "auto"),
-        "  same, no XLA (prepare(jit_compile=False))": compiled(mirrored, "mixed_float16", kmp_dynamic, False),
-        "Mirrored, float32, Keras Adam (stock)": compiled(mirrored, "float32", adam),
-        "one device, mixed_float16, Keras LSO": compiled(default, "mixed_float16", keras_lso),
-        "one device, mixed_float16, Keras LSO + XLA": compiled(default, "mixed_float16", keras_lso, None, True),
-        "one device, mixed_float16, kmp": compiled(default, "mixed_float16", kmp_dynamic),
+    p1 = {  # built lazily: --issue12 builds three
+        "Mirrored, mixed_float16, Keras LSO (stock)": lambda: compiled(mirrored, "mixed_float16", keras_lso),
+        "Mirrored, mixed_float16, kmp prepared": lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
+        "  same, unfused update": lambda: compiled(mirrored, "mixed_float16", kmp_unfused, "auto"),
+        "  same, no XLA (prepare(jit_compile=False))":
+            lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, False),
+        "Mirrored, float32, Keras Adam (stock)": lambda: compiled(mirrored, "float32", adam),
+        "one device, mixed_float16, Keras LSO": lambda: compiled(default, "mixed_float16", keras_lso),
+        "one device, mixed_float16, Keras LSO + XLA":
+            lambda: compiled(default, "mixed_float16", keras_lso, None, True),
+        "one device, mixed_float16, kmp": lambda: compiled(default, "mixed_float16", kmp_dynamic),
     }
+    stock, prepared, one_xla = ("Mirrored, mixed_float16, Keras LSO (stock)", "Mirrored, mixed_float16, kmp prepared",
+                                "one device, mixed_float16, Keras LSO + XLA")
+
+    def built(names):
+        measures = {}
+        for name in names:
+            start = time.perf_counter()
+            measures[name] = p1[name]()
+            print(f"{name}: build + first fit() (trace, compile, 2 steps) {time.perf_counter() - start:.1f} s")
+        return measures
+
+    if args.issue12:
+        times = interleaved(built([stock, prepared, one_xla]), args.rounds)
+        report("Issue 12, P1: kmp prepared vs one device with whole-step XLA (target <= 1.15x)", times, one_xla)
+        report("Issue 12, P1: kmp prepared vs stock Keras under Mirrored (target <= 0.45x)", times, stock)
+        return
     report("P1: step time (target: kmp <= 0.30x stock under Mirrored)",
-           interleaved(p1, args.rounds), baseline="Mirrored, mixed_float16, Keras LSO (stock)")
+           interleaved(built(p1), args.rounds), baseline=stock)
 
     p2 = {
         "one device, kmp static scale": compiled(default, "mixed_float16", kmp_static),
