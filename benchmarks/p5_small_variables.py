@@ -25,6 +25,10 @@ many skips would be timed short. Rows:
                  Keras's, without XLA
     kmp+xla      the same with kmp.prepare(model, jit_compile=True): Keras's
                  whole-step XLA around kmp's optimizer
+    kmp flat     kmp.prepare(model, flat_buffers=True): the flat-buffer engine
+                 (kmp.engine): the forward/backward in one XLA computation on
+                 the flat float32 weights, one flat gradient, one overflow
+                 check, one XLA update of the flat weights and Adam's moments
 
 Each row is its own worker process (benchmarks/isolated.py), built alone
 under a wall-clock limit (--xla-limit for the +xla rows, default 300 s;
@@ -40,6 +44,7 @@ issue 12's target for the first epoch: <= 60 s).
     python benchmarks/p5_small_variables.py --blocks 25,100,250                  # stacked
     python benchmarks/p5_small_variables.py --layout parallel --blocks 25,100,250
     [--rounds 3] [--steps 10] [--rows keras,kmp] [--xla-limit 300] [--rss-limit 16]
+    python benchmarks/p5_small_variables.py --issue12   # 250 stacked blocks: keras, kmp, kmp flat, keras+xla
 
 The +xla rows of 250 blocks are expected to be killed at their limit
 (issue 12: stock Keras with XLA ran 40 minutes and filled 24 GiB).
@@ -54,7 +59,8 @@ import time
 
 import isolated
 
-ROWS = ["keras", "keras+xla", "kmp", "kmp+xla"]
+ROWS = ["keras", "keras+xla", "kmp", "kmp+xla", "kmp flat"]
+ISSUE12 = ["keras", "kmp", "kmp flat", "keras+xla"]  # the XLA row last: it may hit its limit
 WIDTH, BATCH = 64, 64
 
 
@@ -92,18 +98,23 @@ def _build(name, layout, blocks, steps):
     optimizer = keras.optimizers.Adam(1e-4)
     if name.startswith("kmp"):
         model.compile(optimizer=kmp.wrap(optimizer), loss="mse")
-        kmp.prepare(model, jit_compile=True if name.endswith("+xla") else "auto")
+        kmp.prepare(model, jit_compile=True if name.endswith("+xla") else "auto", flat_buffers=name == "kmp flat")
     else:
         model.compile(optimizer=optimizer, loss="mse", jit_compile=name.endswith("+xla"))
     x, y = regression_data(BATCH, steps, WIDTH)
     start = time.perf_counter()
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
     first = time.perf_counter() - start
+    engine = kmp.engine.engine_of(model)
+    if name == "kmp flat" and engine is None:
+        raise RuntimeError("kmp flat: kmp.prepare(flat_buffers=True) built no flat-buffer engine")
 
     def note():
         opt = model.optimizer
         skipped = getattr(opt, "skipped_steps", None)
-        skipped = "" if skipped is None else f" ({os.path.dirname(kmp.__file__)}), skipped steps {int(skipped.numpy())}"
+        path = "flat buffers" if engine is not None else "per variable"
+        skipped = ("" if skipped is None else
+                   f" ({os.path.dirname(kmp.__file__)}), {path}, skipped steps {int(skipped.numpy())}")
         return (f"{len(model.trainable_variables)} trainable variables; {type(opt).__module__}.{type(opt).__name__}"
                 f"{skipped}, inner updates {int(opt.inner_optimizer.iterations.numpy())}")
 
@@ -125,12 +136,19 @@ def main(argv=None):
     parser.add_argument("--layout", choices=["stacked", "parallel"], default="stacked")
     parser.add_argument("--blocks", default="25,100,250")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--issue12", action="store_true",
+                        help=f"issue 12's comparison: --blocks 250 --rows {','.join(ISSUE12)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed fit()")
     parser.add_argument("--xla-limit", type=float, default=300.0, help="seconds for a +xla row's first call")
     parser.add_argument("--build-limit", type=float, default=1200.0, help="seconds for another row's first call")
     parser.add_argument("--rss-limit", type=float, default=16.0, help="GiB per row")
     args = parser.parse_args(argv)
+    if args.issue12:
+        args.blocks, args.rows = "250", ",".join(ISSUE12)
+    unknown = [row for row in args.rows.split(",") if row not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {','.join(ROWS)}")
     print(f"P5: {args.layout} Dense({WIDTH}) + LayerNormalization blocks, mixed_float16, batch {BATCH}, one device; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; rounds={args.rounds}, steps={args.steps}")
     for blocks in map(int, args.blocks.split(",")):
