@@ -10,7 +10,15 @@ strategy, and one device (Keras with and without whole-step XLA).
 P2 (target <= 1.05x): kmp's dynamic loss scaling vs a static scale, on the
 same step, on one device and under the strategy.
 
+Issue 12's P1 targets (`--issue12`: only the rows they compare, no P2):
+kmp prepared under the strategy <= 1.15x stock Keras on ONE device with
+whole-step XLA (same global batch), and <= 0.45x stock Keras under the
+strategy. kmp is measured prepared per variable (`flat_buffers=False`) and
+with the flat-buffer engine (`flat_buffers=True`, kmp.engine); besides ms
+per step, it prints each row's whole fit() seconds and its first fit().
+
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
+    python benchmarks/p1_p2_step_time.py --issue12 [--rounds 3] [--steps 15]
 
 Run it on a quiet machine: it reports medians of interleaved rounds.
 """
@@ -18,8 +26,10 @@ Run it on a quiet machine: it reports medians of interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
-from common import fit_ms_per_step, interleaved, mlp, regression_data, report, use_two_logical_cpus
+from common import fit_times, interleaved, mlp, regression_data, report, use_two_logical_cpus
 
 
 def main() -> None:
@@ -27,6 +37,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--issue12", action="store_true", help="only the rows issue 12 compares; no P2")
     args = parser.parse_args()
 
     use_two_logical_cpus()
@@ -39,17 +50,30 @@ def main() -> None:
     default = tf.distribute.get_strategy()
     x, y = regression_data(args.batch, args.steps)
 
-    def compiled(strategy, policy, make_optimizer, prepare=None, jit_compile="auto"):
+    class Row:
+        """A compiled, traced model; calling it times one fit() (ms per step) and keeps the whole call's seconds."""
+
+        def __init__(self, model):
+            self.model, self.seconds, self.first = model, [], None
+
+        def __call__(self):
+            ms, seconds = fit_times(self.model, x, y, args.batch)
+            self.seconds.append(seconds)
+            return ms
+
+    def compiled(strategy, policy, make_optimizer, prepare=None, jit_compile="auto", flat_buffers=False):
         keras.config.set_dtype_policy(policy)
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = mlp()
             model.compile(optimizer=make_optimizer(), loss="mse", jit_compile=jit_compile)
         if prepare is not None:
-            kmp.prepare(model, jit_compile=prepare)
+            kmp.prepare(model, jit_compile=prepare, flat_buffers=flat_buffers)
         model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)  # trace
         keras.config.set_dtype_policy("float32")
-        return lambda: fit_ms_per_step(model, x, y, args.batch)
+        if flat_buffers and kmp.engine.engine_of(model) is None:
+            raise RuntimeError("kmp.prepare(flat_buffers=True) built no flat-buffer engine")
+        return Row(model)
 
     adam = lambda: keras.optimizers.Adam(1e-4)
     keras_lso = lambda: keras.optimizers.LossScaleOptimizer(adam())
@@ -57,18 +81,52 @@ def main() -> None:
     kmp_unfused = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, fused=False)
     kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
 
-    p1 = {
-        "Mirrored, mixed_float16, Keras LSO (stock)": compiled(mirrored, "mixed_float16", keras_lso),
-        "Mirrored, mixed_float16, kmp prepared": compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
-        "  same, unfused update": compiled(mirrored, "mixed_float16", kmp_unfused, "auto"),
-        "  same, no XLA (prepare(jit_compile=False))": compiled(mirrored, "mixed_float16", kmp_dynamic, False),
-        "Mirrored, float32, Keras Adam (stock)": compiled(mirrored, "float32", adam),
-        "one device, mixed_float16, Keras LSO": compiled(default, "mixed_float16", keras_lso),
-        "one device, mixed_float16, Keras LSO + XLA": compiled(default, "mixed_float16", keras_lso, None, True),
-        "one device, mixed_float16, kmp": compiled(default, "mixed_float16", kmp_dynamic),
+    p1 = {  # built lazily: --issue12 builds four
+        "Mirrored, mixed_float16, Keras LSO (stock)": lambda: compiled(mirrored, "mixed_float16", keras_lso),
+        "Mirrored, mixed_float16, kmp prepared": lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
+        "Mirrored, mixed_float16, kmp prepared, flat buffers":
+            lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto", flat_buffers=True),
+        "  same, unfused update": lambda: compiled(mirrored, "mixed_float16", kmp_unfused, "auto"),
+        "  same, no XLA (prepare(jit_compile=False))":
+            lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, False),
+        "Mirrored, float32, Keras Adam (stock)": lambda: compiled(mirrored, "float32", adam),
+        "one device, mixed_float16, Keras LSO": lambda: compiled(default, "mixed_float16", keras_lso),
+        "one device, mixed_float16, Keras LSO + XLA":
+            lambda: compiled(default, "mixed_float16", keras_lso, None, True),
+        "one device, mixed_float16, kmp": lambda: compiled(default, "mixed_float16", kmp_dynamic),
     }
+    stock, prepared, one_xla = ("Mirrored, mixed_float16, Keras LSO (stock)", "Mirrored, mixed_float16, kmp prepared",
+                                "one device, mixed_float16, Keras LSO + XLA")
+    flat = "Mirrored, mixed_float16, kmp prepared, flat buffers"
+
+    def built(names):
+        rows = {}
+        for name in names:
+            start = time.perf_counter()
+            rows[name] = p1[name]()
+            rows[name].first = time.perf_counter() - start
+            print(f"{name}: build + first fit() (trace, compile, 2 steps) {rows[name].first:.1f} s")
+        return rows
+
+    if args.issue12:
+        rows = built([stock, prepared, flat, one_xla])
+        times = interleaved(rows, args.rounds)
+        report("Issue 12, P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", times, one_xla)
+        report("Issue 12, P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", times, stock)
+        print(f"\nWhole fit() of {args.steps} steps: seconds, median (min-max) of the timed calls; "
+              f"first: build + the first fit() (trace, compile, 2 steps)")
+        for name, row in rows.items():
+            timed = row.seconds[-args.rounds:]  # the warm-up round's call is not counted
+            print(f"{name:54s} {statistics.median(timed):6.2f} s ({min(timed):.2f}-{max(timed):.2f})  "
+                  f"first {row.first:.1f} s")
+        for name in (prepared, flat):
+            opt = rows[name].model.optimizer
+            engine = "flat buffers" if kmp.engine.engine_of(rows[name].model) else "per variable"
+            print(f"{name}: {engine}; skipped steps {int(opt.skipped_steps.numpy())}, "
+                  f"updates {int(opt.inner_optimizer.iterations.numpy())}")
+        return
     report("P1: step time (target: kmp <= 0.30x stock under Mirrored)",
-           interleaved(p1, args.rounds), baseline="Mirrored, mixed_float16, Keras LSO (stock)")
+           interleaved(built(p1), args.rounds), baseline=stock)
 
     p2 = {
         "one device, kmp static scale": compiled(default, "mixed_float16", kmp_static),

@@ -1,8 +1,8 @@
 """P3: how close the optimizer update gets to the memory bandwidth.
 
 Adam must read params, grads and both moments and write params and both
-moments: 7 float32 streams, 28 bytes per parameter. For two layouts of the
-same 20M float32 parameters (200 variables x 100K, 2000 x 1K) this measures,
+moments: 7 float32 streams, 28 bytes per parameter. For two layouts, 200
+variables x 100K (20M float32 parameters) and 2000 x 1K (2M), this measures,
 side by side in one process, the time per step of
 
     copy        the bandwidth reference: ONE XLA computation over four flat
@@ -58,6 +58,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import common  # noqa: E402,F401  (this checkout's kmp first on sys.path)
 from kmp import fused  # noqa: E402
 from kmp.fused import fused_apply  # noqa: E402
 
