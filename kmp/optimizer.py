@@ -286,7 +286,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables = self._trainable_variables
         # Which variables overflowed, for the log line: computed on an overflow only.
         flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
-        self._adjust(finite, tf.unstack(flags, num=len(variables)), variables)
+        self._adjust(finite, flags, variables)  # one vector: no op per variable on a clean step
 
     def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
         # Every replica computed `finite` from the same reduced gradients. A
@@ -311,7 +311,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _adjust(self, finite, flags=(), variables=()):
         """Moves the loss-scale state one step (see kmp.loss_scale.adjust).
 
-        `flags` (one per variable of `variables`) say whose gradient was not
+        `flags` (one per variable of `variables`, a list or a bool vector) say whose gradient was not
         finite: the overflow line names them.
         """
         config = self.loss_scale_config
@@ -330,8 +330,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # After the line: a step that ends the line (kmp.overflow_layer) reads this counter first.
         with tf.control_dependencies([] if printed is None else [printed]):
             self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
-        if len(flags):
-            first = tf.argmin(tf.cast(tf.stack(list(flags)), tf.int32), output_type=tf.int64)  # first False
+        if overflow.flag_count(flags):
+            first = tf.argmin(tf.cast(overflow.flag_vector(flags), tf.int32), output_type=tf.int64)  # first False
             self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
 
     def save_own_variables(self, store):

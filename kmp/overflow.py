@@ -121,6 +121,15 @@ def layer_text_tensor(what, layer, names):
     ])
 
 
+def flag_vector(flags):
+    """Per-variable finite flags as one bool vector (given as a list of scalars, or a vector)."""
+    return flags if tf.is_tensor(flags) else tf.stack(list(flags))
+
+
+def flag_count(flags) -> int:
+    return int(flags.shape[0]) if tf.is_tensor(flags) else len(flags)
+
+
 def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState, new: loss_scale.LossScaleState,
                  flags=(), variables=(), end="\n"):
     """One line on stderr when the step overflowed (not inside XLA: tf.print does not compile).
@@ -135,7 +144,7 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
 
     def culprits():
         names = tf.constant([getattr(v, "path", None) or v.name for v in variables] or [""])
-        bad = tf.boolean_mask(names, tf.logical_not(tf.stack(list(flags))))
+        bad = tf.boolean_mask(names, tf.logical_not(flag_vector(flags)))
         more = tf.size(bad) - NAMED
         text = tf.strings.reduce_join(bad[:NAMED], separator=", ")
         text += tf.where(more > 0, tf.strings.format(", and {} more", more), "")
@@ -143,7 +152,7 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
 
     def line(*parts):
         def emit():
-            tail = culprits() if len(flags) and len(flags) == len(variables) else []
+            tail = culprits() if flag_count(flags) and flag_count(flags) == len(variables) else []
             pieces = ["kmp: gradient overflow, step skipped.", *parts, *tail]
             # One string: tf.print quotes a string tensor printed beside others.
             text = tf.strings.join([_text(p) for p in pieces], separator=" ")
