@@ -96,9 +96,10 @@ def interleaved(variants: dict, rounds: int, warmup: int = 1) -> dict[str, list[
 
 def report(title: str, times: dict[str, list[float]], baseline: str) -> None:
     base = statistics.median(times[baseline])
+    width = max(44, *(len(name) for name in times))
     print(f"\n{title}")
-    print(f"{'variant':44s} {'median ms':>15s} {'spread':>14s} {'ratio':>7s}")
+    print(f"{'variant':{width}s} {'median ms':>15s} {'spread':>14s} {'ratio':>7s}")
     for name, values in times.items():
         median = statistics.median(values)
         spread = f"{min(values):.1f}-{max(values):.1f}"
-        print(f"{name:44s} {median:15.1f} {spread:>14s} {median / base:7.2f}x")
+        print(f"{name:{width}s} {median:15.1f} {spread:>14s} {median / base:7.2f}x")
