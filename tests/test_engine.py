@@ -397,3 +397,17 @@ def test_auto_keeps_large_variables_per_variable(caplog):
     forced.fit(x, x, batch_size=8, verbose=0)
     assert engine.engine_of(forced) is not None
     _assert_close(_raw(auto), _raw(forced))
+
+
+def test_a_custom_train_step_keeps_its_path_and_says_so(caplog):
+    class Custom(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(0)
+    model = Custom([keras.Input((FEATURES,)), keras.layers.Dense(1)], name="custom")
+    model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"):
+        kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, verbose=0)
+    assert engine.engine_of(model) is None
+    assert "flat buffers off for custom, per-variable updates instead: the model has its own train_step" in caplog.text

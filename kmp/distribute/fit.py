@@ -155,7 +155,7 @@ def _make_function_prepared(self, step_function):
         # metrics and trainable variables.
         replica_step.forget(self)
         step_function = functools.partial(replica_step.train_step, self)
-    buffers = _engine_for(self) if stock_train_step else None
+    buffers = _engine_for(self) if stock_train_step else _no_engine(self, "the model has its own train_step")
     if buffers is not None:
         replica_step.forget(self)
         step_function = buffers.train_step
@@ -186,8 +186,10 @@ def _make_function_prepared(self, step_function):
 def _engine_for(model):
     """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
     setting = getattr(model, "_kmp_flat_buffers", False)
-    if not setting or model.run_eagerly:
+    if not setting:
         return None
+    if model.run_eagerly:
+        return _no_engine(model, "run_eagerly=True (the buffers' step is compiled)")
     reason = flat.support(model)
     if reason is None and not model.optimizer.built:
         # Without a strategy Keras builds it in the first step; the buffers need its slots now.
@@ -200,11 +202,7 @@ def _engine_for(model):
             reason = (f"its variables hold {mean:,} parameters on average (> {AUTO_MEAN_PARAMETERS:,}), where "
                       f"per-variable updates measured faster; flat_buffers=True uses the buffers anyway")
     if reason is not None:
-        if reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
-            model.__dict__["_kmp_flat_noted"].add(reason)
-            log = logger.warning if setting is True else logger.info
-            log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)
-        return None
+        return _no_engine(model, reason)
     current = engine.engine_of(model)
     key = (id(model.optimizer), tuple(id(v) for v in model.trainable_variables))
     if current is None or current.buffers.key != key:
@@ -212,6 +210,16 @@ def _engine_for(model):
             current.observe()  # the old buffers' last values, into the variables the new ones start from
         model.__dict__["_kmp_engine"] = engine.Engine(model)
     return model.__dict__["_kmp_engine"]
+
+
+def _no_engine(model, reason: str) -> None:
+    """None, after saying once per model and reason why the flat buffers are off (if they were asked for)."""
+    setting = getattr(model, "_kmp_flat_buffers", False)
+    if setting and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
+        model.__dict__["_kmp_flat_noted"].add(reason)
+        log = logger.warning if setting is True else logger.info
+        log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)
+    return None
 
 
 # "auto" keeps the per-variable path for models of large variables. Measured
