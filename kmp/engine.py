@@ -5,9 +5,10 @@ step, in replica context, on one device or several:
 
     weights = this replica's flat float32 weights
     grad, y_pred, loss, writes = forward_backward(weights, ...)   # XLA: the weights
-                                 # split into the variables' values, the gradient one flat tensor
-    optimizer.apply_flat(grad)   # unscale, accumulate, ONE all-reduce (in buckets),
-                                 # one finite check, clip, ONE XLA update of weights and slots
+                                 # split into the variables' values; the gradient one flat,
+                                 # unscaled float32 tensor
+    optimizer.apply_flat(grad)   # accumulate, ONE all-reduce (in buckets), one finite
+                                 # check, clip, ONE XLA update of weights and slots
     writes (BatchNorm statistics), loss tracker, metrics      # as Keras's train_step
 
 No op on that path touches a per-variable optimizer state; the only
@@ -27,9 +28,10 @@ something may have written them:
         the end of fit(), however it ends (an exception, KeyboardInterrupt);
         an overflowing step's layer diagnosis (its forward pass reads them).
     Keras variables -> buffers (load), before the next step, after:
-        the start of fit(); set_weights / load_weights on the model;
-        any epoch hook (a callback may restore weights there);
-        each overridden hook of a callback kmp does not know.
+        the start of fit(); set_weights / load_weights on the model (Keras's
+        BackupAndRestore and EarlyStopping restore through them; kmp's
+        BackupAndRestore says so itself);
+        each overridden hook (epoch or batch) of a callback kmp does not know.
 
 Callbacks known to read and write no weights in their batch hooks, or to do
 it only through the model's methods above, cost nothing per batch: Keras's
