@@ -71,22 +71,32 @@ class Accumulation:
         """Whether the micro-batch being added closes the window."""
         return self.micro_steps.value + 1 >= self.steps.value
 
-    def add(self, grads, weight=None) -> None:
-        """Adds this replica's micro-batch to the open window."""
-        for total, g in zip(self.sums, grads):
+    def add(self, grads, weight=None, sums=None) -> None:
+        """Adds this replica's micro-batch to the open window.
+
+        `sums`: the variables that hold the sums, if not `self.sums` (kmp.flat's
+        one flat sum, for one flat gradient)."""
+        for total, g in zip(self.sums if sums is None else sums, grads):
             total.assign_add(tf.convert_to_tensor(g))
         if weight is not None:
             self.weight_sum.assign_add(weight)
         self.micro_steps.assign_add(1)
 
-    def close(self, grads, weight=None):
+    def close(self, grads, weight=None, sums=None):
         """(totals, micro-batch count, total weight or None) of the window, which is then cleared."""
-        totals = [s.value + tf.convert_to_tensor(g) for s, g in zip(self.sums, grads)]
+        sums = self.sums if sums is None else sums
+        totals = [_read(s) + tf.convert_to_tensor(g) for s, g in zip(sums, grads)]
         count = tf.cast(self.micro_steps.value + 1, tf.float32)
         if weight is not None:
             weight = self.weight_sum.value + weight
             self.weight_sum.assign(0.0)
-        for total in self.sums:
-            total.assign(tf.zeros_like(total.value))
+        for total in sums:
+            total.assign(tf.zeros_like(_read(total)))
         self.micro_steps.assign(0)
         return totals, count, weight
+
+
+def _read(variable):
+    """A Keras variable's value, or a plain tf.Variable's (kmp.flat's buffers)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable.read_value()
+

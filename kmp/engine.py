@@ -54,6 +54,7 @@ import keras
 import tensorflow as tf
 
 from kmp import flat, seams
+from kmp.distribute import replica_step
 
 logger = logging.getLogger(__name__)
 
@@ -114,20 +115,11 @@ class Engine:
     def train_step(self, data):
         model, buffers = self.model, self.buffers
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        others = model.non_trainable_variables + model.metrics_variables
-        other_values = [tf.convert_to_tensor(v.value) for v in others]
+        other_values = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables + model.metrics_variables]
         scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
         weights = buffers.local("weights").read_value()
         grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, x, y, sample_weight)
-        for index, value in writes.items():
-            variable = others[int(index)]
-            if value.dtype.is_floating:
-                value = tf.where(tf.reduce_all(tf.math.is_finite(value)), value, variable.value)
-            variable.assign(value)
-        model._loss_tracker.update_state(
-            seams.get("unscale_loss_for_distribution")(loss),
-            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
-        )
+        replica_step.apply_writes_and_track_loss(model, writes, loss, x)
         before = tf.convert_to_tensor(model.optimizer.skipped_steps.value)
         model.optimizer.apply_flat(grad, buffers)
         if getattr(model, "_kmp_find_overflow_layer", True):
@@ -137,45 +129,27 @@ class Engine:
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _compiled(self):
-        replica = _replica_index()
+        key = replica_step.replica_key()
         cache = self.__dict__.setdefault("_steps", {})
-        if replica not in cache:
+        if key not in cache:
             # XLA unless prepare(jit_compile=False) or a layer does not support it;
             # the update (kmp.flat) is always XLA.
             model = self.model
             jit = getattr(model, "_kmp_jit_compile", "auto") is not False and bool(
                 seams.get("model_supports_jit")(model))
-            cache[replica] = tf.function(self._forward_backward, jit_compile=jit, reduce_retracing=True)
-        return cache[replica]
+            cache[key] = tf.function(self._forward_backward, jit_compile=jit, reduce_retracing=True)
+        return cache[key]
 
     def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
-        model = self.model
-        others = model.non_trainable_variables + model.metrics_variables
         with tf.GradientTape() as tape:
             tape.watch(weights)
             values = self.buffers.split(weights)
-            mapping = list(zip(model.trainable_variables, values)) + list(zip(others, other_values))
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-                entered = dict(scope.state_mapping)
-                kwargs = {"training": True} if model._call_has_training_arg else {}
-                y_pred = model(x, **kwargs)
-                loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            y_pred, loss, writes = replica_step.stateless_loss(self.model, values, other_values, x, y, sample_weight)
             scaled = keras.ops.multiply(loss, scale)
         grads = tape.gradient(scaled, values)
         # Zeros where a variable got no gradient (it is then not updated); unscaled
         # here, as kmp.gradients.unscale does (float32 / scale), fused into this computation.
-        grad = self.buffers.join(grads) / tf.cast(scale, tf.float32)
-        writes = {}
-        for k, variable in enumerate(others):
-            after = scope.get_current_value(variable)
-            if after is not entered[id(variable)]:
-                writes[str(k)] = after
-        return grad, y_pred, loss, writes
-
-def _replica_index():
-    context = tf.distribute.get_replica_context()
-    replica = 0 if context is None else tf.get_static_value(context.replica_id_in_sync_group)
-    return (id(tf.distribute.get_strategy()), None if replica is None else int(replica))
+        return self.buffers.join(grads) / tf.cast(scale, tf.float32), y_pred, loss, writes
 
 
 def _overridden(callback) -> set:
@@ -257,9 +231,10 @@ def install(model: keras.Model) -> None:
     model.__dict__["_kmp_engine_methods"] = True
     for name in _READERS + _WRITERS + ("fit",):
         stock = getattr(type(model), name, None)
-        if stock is not None:
-            setattr(model, name, types.MethodType(_WRAPPERS.get(name, _reader if name in _READERS else _writer)(stock),
-                                                  model))
+        if stock is None:
+            continue
+        method = _fit(stock) if name == "fit" else _calling_first(observe if name in _READERS else written, stock)
+        setattr(model, name, types.MethodType(method, model))
 
 
 def engine_of(model: keras.Model) -> Engine | None:
@@ -272,19 +247,12 @@ def _engine_behind(model_or_callback) -> Engine | None:
     return engine_of(model_or_callback) if isinstance(model_or_callback, keras.Model) else None
 
 
-def _reader(stock):
+def _calling_first(first, stock):
+    """`stock`, with `first(model)` (observe or written) called before it."""
+
     @functools.wraps(stock)
     def method(self, *args, **kwargs):
-        observe(self)
-        return stock(self, *args, **kwargs)
-
-    return method
-
-
-def _writer(stock):
-    @functools.wraps(stock)
-    def method(self, *args, **kwargs):
-        written(self)
+        first(self)
         return stock(self, *args, **kwargs)
 
     return method
@@ -305,5 +273,3 @@ def _fit(stock):
 
     return fit
 
-
-_WRAPPERS = {"fit": _fit}

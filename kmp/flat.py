@@ -81,6 +81,11 @@ def support(model: keras.Model) -> str | None:
     return None
 
 
+def sizes(variables) -> list[int]:
+    """Each variable's number of elements."""
+    return [int(tf.TensorShape(v.shape).num_elements()) for v in variables]
+
+
 class FlatBuffers:
     """The flat state of one model and its (built) kmp optimizer. See the module docstring."""
 
@@ -94,9 +99,9 @@ class FlatBuffers:
         decays = [inner.weight_decay is not None and inner._use_weight_decay(v) for v in trainable]
         # Decayed variables first: the decay is then a prefix of the buffer.
         self.order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
-        self.decayed = sum(int(s) for s, d in zip(self._sizes(trainable), decays) if d)
+        self.decayed = sum(s for s, d in zip(sizes(trainable), decays) if d)
         self.variables = [trainable[i] for i in self.order]
-        self.sizes = self._sizes(self.variables)
+        self.sizes = sizes(self.variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.size = sum(self.sizes)
         # The Keras variables each buffer mirrors, in buffer order.
@@ -122,10 +127,6 @@ class FlatBuffers:
         self._copies = {}
         self.missing = ()  # model positions of the variables without a gradient (see join)
 
-    @staticmethod
-    def _sizes(variables) -> list[int]:
-        return [int(tf.TensorShape(v.shape).num_elements()) for v in variables]
-
     # --- In a step (replica context) ---
 
     def local(self, name: str) -> tf.Variable:
@@ -134,9 +135,8 @@ class FlatBuffers:
 
     def split(self, flat) -> list:
         """`flat` as one tensor per trainable variable, in `model.trainable_variables` order."""
-        parts = [tf.reshape(p, s) for p, s in zip(tf.split(flat, self.sizes), self.shapes)]
-        out = [None] * len(parts)
-        for position, part in zip(self.order, parts):
+        out = [None] * len(self.sizes)
+        for position, part in zip(self.order, self._parts(flat)):
             out[position] = part
         return out
 
@@ -162,8 +162,8 @@ class FlatBuffers:
 
     def segment_finite(self, flat) -> tf.Tensor:
         """Per trainable variable (model order): True iff its part of `flat` is finite."""
-        ids = tf.repeat(tf.range(len(self.sizes)), self.sizes)
-        ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids, len(self.sizes)) > 0
+        ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), self._segments(),
+                                          len(self.sizes)) > 0
         return tf.gather(ok, tf.argsort(self.order))
 
     def update(self, grad, clip_scale, learning_rate) -> None:
@@ -185,7 +185,7 @@ class FlatBuffers:
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
         s["lr"] = learning_rate
         if getattr(self.rule, "per_variable", False):
-            s["segments"] = tf.repeat(tf.range(len(self.sizes)), self.sizes)
+            s["segments"] = self._segments()
             s["count"] = len(self.sizes)
         if clip_scale is not None:
             grad = grad * clip_scale
@@ -224,7 +224,12 @@ class FlatBuffers:
             fused._local(variable).assign(part)
 
     def _parts(self, flat):
+        """`flat` as one tensor per variable, in buffer order."""
         return [tf.reshape(p, s) for p, s in zip(tf.split(flat, self.sizes), self.shapes)]
+
+    def _segments(self):
+        """Each element's variable (its index in buffer order)."""
+        return tf.repeat(tf.range(len(self.sizes)), self.sizes)
 
     def _copy(self, direction: str) -> None:
         # One graph per direction (not one eager op per variable), run for

@@ -256,22 +256,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             _maybe_merge_call(self._flat_micro_step, grad, buffers)
 
     def _flat_micro_step(self, strategy, grad, buffers):
-        window = self.accumulation
+        # As _micro_step, on the one flat sum.
+        ops.cond(
+            self.accumulation.closes(),
+            lambda: _each_replica(strategy, self._flat_close_window, grad, buffers),
+            lambda: _each_replica(strategy, lambda g: self.accumulation.add([g], sums=[buffers.local("sums")]), grad),
+        )
 
-        def add(grad):
-            buffers.local("sums").assign_add(grad)
-            window.micro_steps.assign_add(1)
-
-        def close(grad):
-            sums = buffers.local("sums")
-            total = sums.read_value() + grad
-            sums.assign(tf.zeros_like(total))
-            count = tf.cast(window.micro_steps.value + 1, tf.float32)
-            window.micro_steps.assign(0)
-            self._flat_effective_step(total, buffers, count)
-
-        ops.cond(window.closes(), lambda: _each_replica(strategy, close, grad),
-                 lambda: _each_replica(strategy, add, grad))
+    def _flat_close_window(self, grad, buffers):
+        (total,), count, _ = self.accumulation.close([grad], sums=[buffers.local("sums")])
+        self._flat_effective_step(total, buffers, count)
 
     def _flat_effective_step(self, grad, buffers, count):
         reduced = reduce_mean(_chunks(grad, self.communication), self.communication, self.dynamic_scale.value, count)

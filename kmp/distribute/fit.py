@@ -196,7 +196,7 @@ def _engine_for(model):
         with model.distribute_strategy.scope():
             model.optimizer.build(model.trainable_variables)
     if setting == "auto" and reason is None:
-        sizes = [int(tf.TensorShape(v.shape).num_elements()) for v in model.trainable_variables]
+        sizes = flat.sizes(model.trainable_variables)
         mean = sum(sizes) // len(sizes)
         if mean > AUTO_MEAN_PARAMETERS:
             reason = (f"its variables hold {mean:,} parameters on average (> {AUTO_MEAN_PARAMETERS:,}), where "

@@ -73,17 +73,7 @@ def train_step(model: keras.Model, data):
     # Keras's scale_loss does: loss * scale.
     scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
     grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
-    for index, value in writes.items():
-        variable = others[int(index)]
-        if value.dtype.is_floating:
-            # An inf batch makes BatchNormalization's moving statistics nan; its
-            # step overflows and is skipped, and the statistics keep their value.
-            value = tf.where(tf.reduce_all(tf.math.is_finite(value)), value, variable.value)
-        variable.assign(value)
-    model._loss_tracker.update_state(
-        seams.get("unscale_loss_for_distribution")(loss),
-        sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
-    )
+    apply_writes_and_track_loss(model, writes, loss, x)
     model.optimizer.apply(grads, trainable)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -95,12 +85,8 @@ def forget(model: keras.Model) -> None:
 
 def _compiled(model):
     """The XLA forward/backward function of this model on this replica (one per replica)."""
-    strategy = tf.distribute.get_strategy()
-    context = tf.distribute.get_replica_context()
-    replica = 0 if context is None else tf.get_static_value(context.replica_id_in_sync_group)
-    replica = None if replica is None else int(replica)  # None: one function, values passed in only
     cache = model.__dict__.setdefault("_kmp_replica_steps", {})
-    key = (id(strategy), replica)
+    key = replica_key()
     if key not in cache:
         cache[key] = tf.function(
             lambda *args: _forward_backward(model, *args), jit_compile=True, reduce_retracing=True
@@ -108,23 +94,57 @@ def _compiled(model):
     return cache[key]
 
 
+def replica_key() -> tuple:
+    """(the strategy, this replica's id): per-replica functions are cached under it.
+
+    The id is None where it is not known while tracing: one function then,
+    fed with values passed in only.
+    """
+    context = tf.distribute.get_replica_context()
+    replica = 0 if context is None else tf.get_static_value(context.replica_id_in_sync_group)
+    return id(tf.distribute.get_strategy()), None if replica is None else int(replica)
+
+
 def _forward_backward(model, values, other_values, scale, x, y, sample_weight):
-    trainable = model.trainable_variables
-    others = model.non_trainable_variables + model.metrics_variables
-    mapping = list(zip(trainable, values)) + list(zip(others, other_values))
     with tf.GradientTape() as tape:
         tape.watch(values)
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            entered = dict(scope.state_mapping)  # the scope's own copies of the values
-            kwargs = {"training": True} if model._call_has_training_arg else {}
-            y_pred = model(x, **kwargs)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        y_pred, loss, writes = stateless_loss(model, values, other_values, x, y, sample_weight)
         scaled = keras.ops.multiply(loss, scale)  # as Keras's scale_loss: float16 * float32 -> float32
-    grads = tape.gradient(scaled, values)
+    return tape.gradient(scaled, values), y_pred, loss, writes
+
+
+def stateless_loss(model, values, other_values, x, y, sample_weight):
+    """(y_pred, loss, writes): Keras's forward pass and loss on these values of
+    the trainable and the other (non-trainable, metric) variables, in a
+    StatelessScope. `writes` maps the index (in non-trainable + metrics order,
+    as a string) of each variable the pass wrote to its new value."""
+    others = model.non_trainable_variables + model.metrics_variables
+    mapping = list(zip(model.trainable_variables, values)) + list(zip(others, other_values))
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        entered = dict(scope.state_mapping)  # the scope's own copies of the values
+        kwargs = {"training": True} if model._call_has_training_arg else {}
+        y_pred = model(x, **kwargs)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
     # Only the variables the step wrote come back; the others keep their value.
     writes = {}
     for k, variable in enumerate(others):
         after = scope.get_current_value(variable)
         if after is not entered[id(variable)]:
             writes[str(k)] = after
-    return grads, y_pred, loss, writes
+    return y_pred, loss, writes
+
+
+def apply_writes_and_track_loss(model, writes, loss, x) -> None:
+    """After `stateless_loss`, in replica context: its writes assigned, the loss tracked, as Keras's train_step."""
+    others = model.non_trainable_variables + model.metrics_variables
+    for index, value in writes.items():
+        variable = others[int(index)]
+        if value.dtype.is_floating:
+            # An inf batch makes BatchNormalization's moving statistics nan; its
+            # step overflows and is skipped, and the statistics keep their value.
+            value = tf.where(tf.reduce_all(tf.math.is_finite(value)), value, variable.value)
+        variable.assign(value)
+    model._loss_tracker.update_state(
+        seams.get("unscale_loss_for_distribution")(loss),
+        sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+    )
