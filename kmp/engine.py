@@ -53,12 +53,21 @@ import types
 import keras
 import tensorflow as tf
 
-from kmp import flat, seams
+from kmp import flat, overflow, seams
 from kmp.distribute import replica_step
 
 logger = logging.getLogger(__name__)
 
 FLAT, SAME, KERAS = "buffers newer", "same", "keras newer"
+
+# Where the flat weights are split into the variables' values: in the XLA
+# forward/backward (no copy), or before it, for models of more variables than
+# this. XLA's compile time grows with the slices of one input: 1004 variables
+# (benchmarks/p5_small_variables.py) compiled in 38 s sliced inside, 18 s given
+# as 1004 inputs, at the same ms per step; but TensorFlow's split copies the
+# weights (4 bytes per parameter per step), which models of few large
+# variables would pay for nothing.
+SPLIT_IN_XLA_UP_TO = 256
 
 _READERS = ("evaluate", "predict", "save", "save_weights", "get_weights", "test_on_batch", "predict_on_batch",
             "export")
@@ -118,12 +127,17 @@ class Engine:
         other_values = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables + model.metrics_variables]
         scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
         weights = buffers.local("weights").read_value()
+        if len(buffers.sizes) > SPLIT_IN_XLA_UP_TO:
+            weights = buffers.split(weights)
         grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, x, y, sample_weight)
         replica_step.apply_writes_and_track_loss(model, writes, loss, x)
-        before = tf.convert_to_tensor(model.optimizer.skipped_steps.value)
+        # The layer diagnosis traced after an overflowing step (the whole step
+        # in XLA) runs the model on its Keras variables; outside XLA it runs
+        # eagerly and copies them itself (kmp.overflow_layer).
+        traced_diagnosis = getattr(model, "_kmp_find_overflow_layer", True) and overflow.in_xla()
+        before = tf.convert_to_tensor(model.optimizer.skipped_steps.value) if traced_diagnosis else None
         model.optimizer.apply_flat(grad, buffers)
-        if getattr(model, "_kmp_find_overflow_layer", True):
-            # The layer diagnosis that follows an overflow runs the model on its Keras variables.
+        if traced_diagnosis:
             overflowed = tf.convert_to_tensor(model.optimizer.skipped_steps.value) > before
             tf.cond(overflowed, lambda: buffers.store_weights_here() or tf.no_op(), tf.no_op)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -142,8 +156,8 @@ class Engine:
 
     def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
         with tf.GradientTape() as tape:
-            tape.watch(weights)
-            values = self.buffers.split(weights)
+            values = weights if isinstance(weights, list) else self.buffers.split(weights)
+            tape.watch(values)
             y_pred, loss, writes = replica_step.stateless_loss(self.model, values, other_values, x, y, sample_weight)
             scaled = keras.ops.multiply(loss, scale)
         grads = tape.gradient(scaled, values)

@@ -4,7 +4,7 @@
     buffers.load()                         # Keras variables -> buffers
     weights = buffers.local("weights")     # this replica's flat weights (in a step)
     values = buffers.split(weights)        # one tensor per trainable variable
-    buffers.update(grad, clip_scale, lr)   # the optimizer's step, one XLA computation
+    buffers.update(grad, clipping, lr)     # check, clip, the optimizer's step: one XLA computation
     buffers.store()                        # buffers -> Keras variables
 
 Why: TensorFlow's cost per resource variable (every op and every XLA launch
@@ -43,10 +43,13 @@ import keras
 import tensorflow as tf
 
 from kmp import fused
+from kmp.gradients import global_clip_scale
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.tpu import is_tpu_strategy
 
 logger = logging.getLogger(__name__)
+
+EAGER_COPIES = 50  # copies each way made eagerly before one traced graph makes them (see _copy)
 
 
 def support(model: keras.Model) -> str | None:
@@ -124,7 +127,7 @@ class FlatBuffers:
                 for name in self.mirrors
             }
         self._updates = {}
-        self._copies = {}
+        self._calls, self._graphs = {}, {}  # copies made and traced, by direction
         self.missing = ()  # model positions of the variables without a gradient (see join)
 
     # --- In a step (replica context) ---
@@ -166,41 +169,47 @@ class FlatBuffers:
                                           len(self.sizes)) > 0
         return tf.gather(ok, tf.argsort(self.order))
 
-    def update(self, grad, clip_scale, learning_rate) -> None:
-        """The optimizer's step on this replica's buffers: one XLA computation (replica context)."""
+    def update(self, grad, clipping, learning_rate):
+        """The optimizer's step on this replica's buffers if `grad` is finite: one XLA computation.
+
+        In it: the overflow check, clipping by the global norm (`clipping`, or
+        None), the step, and a select that keeps every weight and slot as it
+        was when the gradient (or its norm) is not finite, bit for bit. Fused
+        this way the check and the norm cost no pass over memory of their own.
+        Returns that finite flag (replica context).
+        """
         replica = fused._replica()[0]
         if replica not in self._updates:
             self._updates[replica] = tf.function(
                 functools.partial(self._update, self.local("weights"),
-                                  tuple(self.local(n) for n in self.slot_names), fused._local(self.inner._iterations)),
+                                  tuple(self.local(n) for n in self.slot_names), fused._local(self.inner._iterations),
+                                  clipping),
                 jit_compile=True, autograph=False)
-        args = [grad, tf.cast(learning_rate, tf.float32)]
-        if clip_scale is not None:
-            args.append(clip_scale)
-        self._updates[replica](*args)
+        return self._updates[replica](grad, tf.cast(learning_rate, tf.float32))
 
-    def _update(self, weights, slots, iterations, grad, learning_rate, clip_scale=None):
+    def _update(self, weights, slots, iterations, clipping, grad, learning_rate):
         h = self.hyper
+        finite = tf.reduce_all(tf.math.is_finite(grad))
+        if clipping is not None:
+            clip = global_clip_scale([grad], clipping)
+            finite = finite & tf.math.is_finite(clip)
+            grad = grad * clip
         step = iterations.read_value()
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
         s["lr"] = learning_rate
         if getattr(self.rule, "per_variable", False):
             s["segments"] = self._segments()
             s["count"] = len(self.sizes)
-        if clip_scale is not None:
-            grad = grad * clip_scale
         value = old = weights.read_value()
         if self.decayed:
             # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
             decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
             value = tf.where(tf.range(self.size) < self.decayed, decayed, value)
-        if self.missing:
-            keep = self._updated_mask()
-            slots = tuple(_Masked(slot, keep) for slot in slots)
-            weights.assign(tf.where(keep, self.rule.update(s, h, value, grad, slots), old))
-        else:
-            weights.assign(self.rule.update(s, h, value, grad, slots))
-        iterations.assign_add(1)
+        keep = self._updated_mask() & finite if self.missing else finite
+        slots = tuple(_Masked(slot, keep) for slot in slots)
+        weights.assign(tf.where(keep, self.rule.update(s, h, value, grad, slots), old))
+        iterations.assign_add(tf.cast(finite, iterations.dtype))
+        return finite
 
     def _updated_mask(self):
         """True on the elements of variables that got a gradient (buffer order)."""
@@ -232,16 +241,23 @@ class FlatBuffers:
         return tf.repeat(tf.range(len(self.sizes)), self.sizes)
 
     def _copy(self, direction: str) -> None:
-        # One graph per direction (not one eager op per variable), run for
-        # each local component: a component is read and written on its device.
-        if direction not in self._copies:
-            self._copies[direction] = tf.function(functools.partial(
-                self._load_component if direction == "load" else self._store_component), autograph=False)
+        # Component by component, each on its own device. Eagerly at first: a
+        # traced graph of these thousands of ops took 7-14 s to optimize on its
+        # first call, later calls 0.05 s, eager calls 0.3 s (1004 variables,
+        # benchmarks/p5_small_variables.py). A copy made that often (a callback
+        # kmp does not know, each batch) pays for the graph after ~50 calls.
+        calls = self._calls[direction] = self._calls.get(direction, 0) + 1
+        copy = self._load_component if direction == "load" else self._store_component
+        if calls > EAGER_COPIES:
+            if direction not in self._graphs:
+                self._graphs[direction] = tf.function(copy, autograph=False)
+            copy = self._graphs[direction]
         local = self.strategy.experimental_local_results
         for k in range(len(local(self.buffers["weights"]))):
             buffers = {n: local(b)[k] for n, b in self.buffers.items()}
             mirrors = {n: [local(_tf_variable(v))[k] for v in vs] for n, vs in self.mirrors.items()}
-            self._copies[direction](buffers, mirrors)
+            with tf.device(buffers["weights"].device):
+                copy(buffers, mirrors)
 
     @staticmethod
     def _load_component(buffers, mirrors):

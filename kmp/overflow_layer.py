@@ -48,7 +48,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from kmp import overflow
+from kmp import engine, overflow
 from kmp.distribute.tpu import is_tpu_strategy
 
 FLOAT16_MAX = 65504.0
@@ -273,8 +273,11 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
     state.names = tuple(f"'{name}' ({type(layer).__name__})" for layer, name in table)
 
     def diagnose():
-        with _recording(table) as recorder:  # once, here: the replicas' threads share the layers
-            found = _each_replica(strategy, lambda x: tf.stack(culprit(*forward_notes(model, x, recorder))), x)
+        if overflow.in_xla():  # the whole step is one XLA computation (one device): traced into it
+            with _recording(table) as recorder:  # once, here: the replicas' threads share the layers
+                found = _each_replica(strategy, lambda x: tf.stack(culprit(*forward_notes(model, x, recorder))), x)
+        else:
+            found = _each_replica(strategy, functools.partial(_culprit_when_run, model, table), x)
         found = tf.stack(local(found))  # [replicas, 2]
         # A named layer first, then a non-finite batch, then nothing; replica order breaks ties.
         rank = tf.where(found[:, 0] >= 0, 0, tf.where(found[:, 1] == BATCH, 1, 2))
@@ -290,6 +293,33 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
             tf.cond(here, lambda: tf.print(text, output_stream=sys.stderr), tf.no_op)
 
     tf.cond(local(overflowed)[0], diagnose, lambda: None)
+
+
+def _culprit_when_run(model, table, x):
+    """culprit() of this replica's batch as a [2] int32 tensor, computed eagerly when the graph runs it.
+
+    A tf.py_function: tracing the re-run forward pass into the step doubled
+    a large model's first fit() (1004 variables: +43 s of tracing and graph
+    optimization, benchmarks/p5_small_variables.py) for a branch that runs
+    only on an overflow. Eagerly it costs a forward pass then, and nothing
+    before. An overflowing step updated no weight, so the weights read here
+    are the ones the step saw, whenever this runs within the step.
+    """
+    spec = x
+
+    def run(*flat):
+        batch = tf.nest.pack_sequence_as(spec, list(flat), expand_composites=True)
+        with _EAGER_RUN:  # replicas share the layers' instances, which _recording wraps
+            engine.observe(model)  # the flat-buffer engine's weights, into the model's variables
+            with _recording(table) as recorder:
+                return tf.stack(culprit(*forward_notes(model, batch, recorder)))
+
+    found = tf.py_function(run, tf.nest.flatten(x, expand_composites=True), Tout=tf.int32)
+    found.set_shape([2])
+    return found
+
+
+_EAGER_RUN = threading.Lock()
 
 
 def _each_replica(strategy, fn, *args):

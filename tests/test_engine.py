@@ -174,6 +174,27 @@ def test_what_each_batch_hook_sees_matches_the_per_variable_path():
     assert not np.array_equal(recorders[1].seen[0], recorders[1].seen[-1])  # it trained
 
 
+def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
+    # Models of many variables split the weights before the XLA forward pass
+    # (engine.SPLIT_IN_XLA_UP_TO), and copies made often run as one traced
+    # graph (kmp.flat.EAGER_COPIES): both at once here, on this small model, with
+    # a copy each way around every batch; the same math, bit for bit.
+    keras.config.set_dtype_policy("mixed_float16")
+    runs = []
+    for many in (False, True):
+        if many:
+            monkeypatch.setattr(engine, "SPLIT_IN_XLA_UP_TO", 0)
+            monkeypatch.setattr(kmp.flat, "EAGER_COPIES", 0)
+        recorder = _Recorder()
+        model, _ = _trained(True, two_replicas, "adam", callbacks=[recorder], epochs=1)
+        runs.append((model, recorder))
+    (one, seen_one), (other, seen_other) = runs
+    assert engine.engine_of(other).buffers._graphs.keys() == {"load", "store"}
+    assert not engine.engine_of(one).buffers._graphs
+    _assert_close(_raw(one), _raw(other), rtol=0, atol=0)
+    _assert_close(seen_one.seen, seen_other.seen, rtol=0, atol=0)
+
+
 class _Zeroer(keras.callbacks.Callback):
     """Writes a kernel directly in the middle of an epoch."""
 
