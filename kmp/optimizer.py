@@ -246,9 +246,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """One (micro-)step on flat buffers (kmp.flat): `grad` is this replica's
         gradient of the flat weights, already unscaled in float32 (kmp.engine
         divides inside its XLA computation, saving a pass over memory). The
-        same contract as `apply`: one all-reduce (in buckets), then one XLA
-        computation that checks for overflow, clips by the global norm and
-        updates if finite (kmp.flat.FlatBuffers.update).
+        same contract as `apply`: one all-reduce (in buckets), one overflow
+        check, clipping by the global norm after the reduce, the update in one
+        XLA computation if finite.
         """
         if self.accumulation is None:
             self._flat_effective_step(grad, buffers, None)
@@ -270,8 +270,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _flat_effective_step(self, grad, buffers, count):
         reduced = reduce_mean(_chunks(grad, self.communication), self.communication, self.dynamic_scale.value, count)
         grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
+        finite = tf.reduce_all(tf.math.is_finite(grad))
+        clip = None
+        if self.gradient_clipping is not None:
+            clip = global_clip_scale([grad], self.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
-        finite = buffers.update(grad, self.gradient_clipping, learning_rate)  # checks, clips, steps if finite
+        ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         variables = self._trainable_variables
         # Which variables overflowed, for the log line: computed on an overflow only.
         flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
