@@ -29,7 +29,9 @@ In fit() (`diagnosing_step`), replica context:
     logs = step(data)                        # Keras's train step, or kmp's per-replica one
     if optimizer.skipped_steps > before:     # tf.cond: a clean step runs none of this
         (cross-replica, after every replica's step) each replica re-runs its own
-        share of the batch as above; the first replica that names a layer wins;
+        share of the batch as above, eagerly, in a tf.py_function (inside a
+        whole-step XLA computation, where no py_function compiles: traced into
+        the step); the first replica that names a layer wins;
         state <- (layer number, what), and the optimizer's overflow line,
         printed without its line end, gets its end: " | forward overflow in ..."
 
@@ -295,6 +297,7 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
     tf.cond(local(overflowed)[0], diagnose, lambda: None)
 
 
+@tf.autograph.experimental.do_not_convert
 def _culprit_when_run(model, table, x):
     """culprit() of this replica's batch as a [2] int32 tensor, computed eagerly when the graph runs it.
 
