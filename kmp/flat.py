@@ -31,7 +31,7 @@ about one ulp per step.
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
 weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots, 4 for the
-accumulation window.
+accumulation window; with Lamb, 4 more for each element's variable index.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ import functools
 import logging
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from kmp import fused
+from kmp import fused, overflow
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.tpu import is_tpu_strategy
 
@@ -125,6 +126,14 @@ class FlatBuffers:
                 name: tf.Variable(tf.zeros([self.size]), trainable=False, name=f"kmp_flat_{name}")
                 for name in self.mirrors
             }
+        if getattr(self.rule, "per_variable", False):
+            # Each element's variable, for Lamb's per-variable norms. A variable,
+            # not a constant of the buffer's size in the graph, nor computed in
+            # XLA: XLA gives tf.repeat a padded dynamic shape past a few million
+            # elements, and compiles a cumsum of that size for minutes.
+            with self.strategy.scope():
+                self.segment_ids = tf.Variable(np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.sizes),
+                                               trainable=False, name="kmp_flat_segments")
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
         self.missing = ()  # model positions of the variables without a gradient (see join)
@@ -164,8 +173,14 @@ class FlatBuffers:
 
     def segment_finite(self, flat) -> tf.Tensor:
         """Per trainable variable (model order): True iff its part of `flat` is finite."""
-        ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), self._segments(),
-                                          len(self.sizes)) > 0
+        if overflow.in_xla():
+            # Inside a whole-step XLA computation the segment ids of tf.repeat
+            # get a padded dynamic shape past a few million elements: one
+            # reduction per variable instead (compiled, run on an overflow only).
+            ok = tf.stack([tf.reduce_all(tf.math.is_finite(part)) for part in tf.split(flat, self.sizes)])
+        else:
+            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), self._segments(),
+                                              len(self.sizes)) > 0
         return tf.gather(ok, tf.argsort(self.order))
 
     def update(self, grad, clip_scale, learning_rate) -> None:
@@ -194,7 +209,7 @@ class FlatBuffers:
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
         s["lr"] = learning_rate
         if getattr(self.rule, "per_variable", False):
-            s["segments"] = self._segments()
+            s["segments"] = fused._local(self.segment_ids).read_value()
             s["count"] = len(self.sizes)
         if clip_scale is not None:
             grad = grad * clip_scale
@@ -212,9 +227,27 @@ class FlatBuffers:
         iterations.assign_add(1)
 
     def _updated_mask(self):
-        """True on the elements of variables that got a gradient (buffer order)."""
-        got = [position not in self.missing for position in self.order]
-        return tf.repeat(tf.constant(got), self.sizes)
+        """True on the elements of variables that got a gradient (buffer order).
+
+        Built from the few runs of variables without one, compared with the
+        element index: no constant or index of the buffer's size (see segment_ids).
+        """
+        index, keep = tf.range(self.size), tf.ones([self.size], tf.bool)
+        for start, end in self._missing_runs():
+            keep = keep & ((index < start) | (index >= end))
+        return keep
+
+    def _missing_runs(self) -> list[tuple[int, int]]:
+        """[start, end) element ranges of the variables without a gradient, adjacent ones merged."""
+        runs, offset = [], 0
+        for position, size in zip(self.order, self.sizes):
+            if position in self.missing:
+                if runs and runs[-1][1] == offset:
+                    runs[-1] = (runs[-1][0], offset + size)
+                else:
+                    runs.append((offset, offset + size))
+            offset += size
+        return runs
 
     # --- Between steps (eagerly): copies to and from the Keras variables ---
 

@@ -432,3 +432,25 @@ def test_a_custom_train_step_keeps_its_path_and_says_so(caplog):
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, verbose=0)
     assert engine.engine_of(model) is None
     assert "flat buffers off for custom, per-variable updates instead: the model has its own train_step" in caplog.text
+
+
+@pytest.mark.parametrize("optimizer, jit_compile", [("adam", True), ("lamb", "auto"), ("lamb", True)])
+def test_models_of_millions_of_parameters_compile(optimizer, jit_compile):
+    # Past about 10 MB of int32 (2.6M parameters), XLA gave the segment ids
+    # of tf.repeat a padded dynamic shape: Lamb's update, and the overflow
+    # flags inside a whole-step XLA step, failed to compile.
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1536,)), keras.layers.Dense(2048),
+                              keras.layers.Dense(1, dtype="float32")])
+    inner = keras.optimizers.Adam(1e-3) if optimizer == "adam" else keras.optimizers.Lamb(1e-3)
+    model.compile(optimizer=kmp.LossScaleOptimizer(inner), loss="mse", jit_compile=jit_compile)
+    kmp.prepare(model, flat_buffers=True)
+    x = np.random.RandomState(0).rand(16, 1536).astype("float32")
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+    assert engine.engine_of(model).buffers.size > 3_000_000
+    assert model.optimizer.iterations.numpy() + model.optimizer.skipped_steps.numpy() == 2
+    after = model.get_weights()
+    assert all(np.isfinite(w).all() for w in after)
+    assert not np.array_equal(before[0], after[0])

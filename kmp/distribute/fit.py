@@ -223,13 +223,13 @@ def _no_engine(model, reason: str) -> None:
 
 
 # "auto" keeps the per-variable path for models of large variables. Measured
-# through fit() on this 2-core CPU (benchmarks/p3_fit_path.py, Adam): 200
-# variables of 100,000 parameters took 57.9 ms per step per variable and 73.0
-# with the buffers (the gradient's concatenation and the weights' slices cost
-# more passes over memory than 200 variables cost in overhead); 1004 variables
-# of ~1,000 (benchmarks/p5_small_variables.py) took 1726 ms per variable and
-# 36.8 with the buffers; the P1 MLP (80 variables, ~33,000 on average) under
-# MirroredStrategy 41.5 and 33.7.
+# through fit() on this 2-core CPU (benchmarks/p3_fit_path.py, Adam,
+# 2026-11-24): 200 variables of 100,000 parameters took 48.7 ms per step per
+# variable and 57.9 with the buffers (the gradient's concatenation and the
+# weights' slices cost more passes over memory than 200 variables cost in
+# overhead); 2000 variables of 1,000 took 72.6 and 9.9 ms; the P1 MLP (80
+# variables, ~33,000 on average) under MirroredStrategy 31.5 and 29.2
+# (benchmarks/p1_p2_step_time.py).
 AUTO_MEAN_PARAMETERS = 65_536
 
 
