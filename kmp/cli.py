@@ -62,6 +62,7 @@ def _demo(args: argparse.Namespace) -> int:
             {"micro_batch_size": batch_size, "total_steps": fills["total_steps"],
              "warmup_steps": fills["warmup_steps"]} if args.config else {}))
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        kmp.prepare(model)  # XLA forward/backward, and the flat-buffer engine where it applies
         print(f"kmp demo: {chosen} on {len(x)} digits images, optimizer {type(optimizer).__name__}")
         start = time.perf_counter()
         model.fit(x, y, batch_size=batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
@@ -77,6 +78,8 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"skipped steps  {int(skipped.numpy())} of {int(skipped.numpy()) + int(optimizer.iterations.numpy())}")
     else:
         print(f"loss scale     none ({chosen.compute_dtype} needs no loss scaling)")
+    engine = "flat buffers (kmp.engine)" if kmp.engine.engine_of(model) is not None else "per variable"
+    print(f"update         {engine}")
     print(f"train time     {seconds:.1f} s for {args.epochs} epochs")
     return 0
 

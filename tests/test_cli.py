@@ -306,6 +306,7 @@ def test_demo_trains():
     values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in lines[1:])
     assert float(values["test accuracy"]) > 0.5  # one epoch; 10 classes: chance is 0.1
     assert float(values["loss scale"]) >= 1
+    assert values["update"] == "flat buffers (kmp.engine)"  # the demo runs kmp.prepare's engine
 
 
 # --- kmp config check ----------------------------------------------------------
