@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import sys
 import threading
 
@@ -52,6 +53,8 @@ import tensorflow as tf
 
 from kmp import engine, overflow
 from kmp.distribute.tpu import is_tpu_strategy
+
+logger = logging.getLogger(__name__)
 
 FLOAT16_MAX = 65504.0
 
@@ -313,9 +316,15 @@ def _culprit_when_run(model, table, x):
     def run(*flat):
         batch = tf.nest.pack_sequence_as(spec, list(flat), expand_composites=True)
         with _EAGER_RUN:  # replicas share the layers' instances, which _recording wraps
-            engine.observe(model)  # the flat-buffer engine's weights, into the model's variables
-            with _recording(table) as recorder:
-                return tf.stack(culprit(*forward_notes(model, batch, recorder)))
+            try:
+                engine.observe(model)  # the flat-buffer engine's weights, into the model's variables
+                with _recording(table) as recorder:
+                    return tf.stack(culprit(*forward_notes(model, batch, recorder)))
+            except Exception as error:  # a diagnosis that fails must not stop the training it explains
+                logger.warning("kmp: naming the overflowing layer failed (%s: %s); the step was skipped as "
+                               "usual. kmp.prepare(model, find_overflow_layer=False) turns the diagnosis off.",
+                               type(error).__name__, error)
+                return tf.constant([-1, NOTHING], tf.int32)
 
     found = tf.py_function(run, tf.nest.flatten(x, expand_composites=True), Tout=tf.int32)
     found.set_shape([2])

@@ -224,6 +224,20 @@ def test_fit_then_trains_on_and_reports_each_overflow(capfd):
     assert overflow_layer.state_of(model).text() == " | forward pass finite"
 
 
+def test_a_failing_diagnosis_warns_and_training_goes_on(monkeypatch, caplog):
+    def broken(*_, **__):
+        raise RuntimeError("a layer that cannot run eagerly")
+
+    monkeypatch.setattr(overflow_layer, "forward_notes", broken)
+    model = kmp.prepare(_compiled(_craft(_functional())))
+    x, y = (np.concatenate(parts) for parts in zip(_batch(), _batch(hot=[3]), _batch()))
+    with caplog.at_level("WARNING", logger="kmp.overflow_layer"):
+        history = _fit(model, x, y)
+    assert history.history["overflows"] == [1.0] and history.history["overflow_layer"] == [-1.0]
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert "naming the overflowing layer failed (RuntimeError: a layer that cannot run eagerly)" in caplog.text
+
+
 def test_fit_names_the_layer_inside_a_subclassed_model(capfd):
     model = kmp.prepare(_compiled(_craft(_subclassed())))
     history = _fit(model, *_batch(hot=[0]))
