@@ -29,9 +29,11 @@ from kmp.memory import (CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCA
 
 
 def settings(model) -> Setup:
-    """What kmp.memory's estimate needs to know about a compiled model, read from it."""
-    from kmp.memory import _optimizer
+    """What kmp.memory's estimate needs to know about a compiled model, read from it.
 
+    Scalars as the model's optimizers and metrics hold them, but the
+    accumulation counters: kmp.memory adds those from the setting.
+    """
     problems: list[Problem] = []
     wrapper = getattr(model, "optimizer", None)
     if not isinstance(model, keras.Model) or wrapper is None or not model.built:
