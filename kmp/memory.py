@@ -23,11 +23,11 @@ N replicas:
 
 DeepSpeed (deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py at
 edaa7221, estimate_zero2_model_states_mem_needs, no offload) counts per GPU
-2P + 18P/N: 16-bit weights whole; 16- and 32-bit gradients, 32-bit master
-weights and Adam's moments partitioned (4P + 16P/N before f4cb866c, DeepSpeed
-#5099, 2024); stage3.py's estimate is 4 * largest layer + 18P/N. kmp keeps no
-16-bit copy, and its float32 masters are the Keras variables, which no stage
-shards: Adam at stage 0 is 16P as DeepSpeed's unpartitioned 2+2+12, as 4+4+8.
+2P + 18P/N: 16-bit weights (2) whole; 16- and 32-bit gradients (2 + 4),
+32-bit masters (4) and Adam's moments (8) partitioned (4P + 16P/N before
+f4cb866c, DeepSpeed #5099, 2024; stage3.py: 4 * largest layer + 18P/N). kmp
+keeps no 16-bit copy, and its float32 masters are the Keras variables, which
+no stage shards: Adam at stage 0 is 4 + 4 + 8 = 16 bytes per parameter.
 
 Stage 1 and 8-bit states are modelled before they are built (issue 13):
 kmp.allocation._zero_settings will read them from an optimizer. 8-bit states
@@ -215,9 +215,9 @@ def _check(s: Setup, problems: list[Problem]) -> None:
             s.optimizer not in EIGHT_BIT_OPTIMIZERS):
         problems.append(Problem("states", f"'32bit' with {s.optimizer!r} (8-bit states are for "
                                 f"{' and '.join(EIGHT_BIT_OPTIMIZERS)})", s.states, "Use states='32bit'."))
-    if s.flat_buffers and s.optimizer not in FLAT_OPTIMIZERS:
+    if s.flat_buffers and (s.optimizer not in FLAT_OPTIMIZERS or s.slots != SLOTS[s.optimizer]):
         problems.append(Problem("flat_buffers", f"False with {s.optimizer!r} (kmp.flat updates "
-                                f"{', '.join(FLAT_OPTIMIZERS)})", True, "Use flat_buffers=False."))
+                                f"{', '.join(FLAT_OPTIMIZERS)}, without amsgrad)", True, "Use flat_buffers=False."))
     elif s.flat_buffers and s.parameter_bytes != 4 * s.parameters:
         problems.append(Problem("flat_buffers", f"False with {s.precision} variables (the buffers hold float32)",
                                 True, "Use flat_buffers=False, or float32 or mixed precision."))
