@@ -142,7 +142,8 @@ def _add_memory(commands) -> None:
                         help="mixed_float16 (default), mixed_bfloat16, float32, float16, bfloat16, fp16, bf16, ...")
     memory.add_argument("--replicas", type=_comma_list(int), default=[1], help="e.g. 1,2,8 (default 1)")
     memory.add_argument("--stage", type=_comma_list(int), default=[0], help="ZeRO stage: 0 (default), 1 or 0,1")
-    memory.add_argument("--states", type=_comma_list(str), default=["32bit"], help="32bit (default), 8bit or 32bit,8bit")
+    memory.add_argument("--states", type=_comma_list(str), default=["32bit"],
+                        help="optimizer states: 32bit (default), 8bit or 32bit,8bit")
     memory.add_argument("--accumulation", type=_comma_list(int), default=[1], metavar="STEPS",
                         help="gradient accumulation steps (default 1)")
     memory.add_argument("--flat-buffers", type=_comma_list({"off": False, "on": True}), default=[False],

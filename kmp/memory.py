@@ -2,7 +2,7 @@
 
     kmp.memory_estimate(125_000_000, optimizer="adam", replicas=8, stage=1)   # a parameter count, or
     kmp.memory_estimate(model)          # a compiled model: its parameters and settings, read from it
-    print(table([...]))                 # one row per setting, as DeepSpeed's estimator prints
+    print(kmp.memory.table(rows))       # one row per estimate, as DeepSpeed's estimator prints
     kmp.measured_bytes(model)           # what the variables hold on each device (kmp.allocation)
 
 Per replica, for P trainable parameters of b bytes (4 in float32 and mixed

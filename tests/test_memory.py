@@ -220,7 +220,8 @@ def test_the_table_says_shared_settings_once_and_one_row_per_setting():
 def test_kmp_memory_prints_the_table_and_json(capsys):
     assert main(["memory", "--params", "125M", "--replicas", "1,2,8", "--stage", "0,1", "--states", "32bit,8bit"]) == 0
     printed = capsys.readouterr().out
-    assert printed == memory.table(memory.estimates(P, replicas=[1, 2, 8], stage=[0, 1], states=["32bit", "8bit"])) + "\n"
+    rows = memory.estimates(P, replicas=[1, 2, 8], stage=[0, 1], states=["32bit", "8bit"])
+    assert printed == memory.table(rows) + "\n"
     assert main(["memory", "--params", "1.3B", "--optimizer", "adam,sgd", "--flat-buffers", "off,on",
                  "--accumulation", "1,4", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
