@@ -4,6 +4,7 @@
     kmp env           versions against kmp's pins, devices, fp16/bf16/XLA, features (kmp/env.py)
     kmp demo          train a small model in mixed precision on the bundled digits data
     kmp config check  what a DeepSpeed-style config resolves to, as a table; exit 0/1 (kmp/config_check.py)
+    kmp memory        bytes per replica of weights, gradients, optimizer state, accumulators (kmp/memory.py)
 
 Only the subcommand that runs imports what it needs, so `kmp --help` and
 `kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
@@ -106,6 +107,54 @@ def _config_check(args: argparse.Namespace) -> int:
     return code
 
 
+def _memory(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kmp import memory
+
+    rows = memory.estimates(args.params, optimizer=args.optimizer, precision=args.precision, replicas=args.replicas,
+                            stage=args.stage, states=args.states, gradient_accumulation_steps=args.accumulation,
+                            flat_buffers=args.flat_buffers)
+    print(json.dumps([dataclasses.asdict(e) | {"total": e.total} for e in rows], indent=2) if args.json
+          else memory.table(rows))
+    return 0
+
+
+def _comma_list(kind):
+    """An argparse type: "1,2,8" -> [1, 2, 8] (kind: int, str, or a dict of the accepted words)."""
+    def parse(text: str) -> list:
+        words = [w.strip() for w in text.split(",") if w.strip()]
+        try:
+            return [kind[w] if isinstance(kind, dict) else kind(w) for w in words] or [][0]
+        except (KeyError, ValueError, IndexError):
+            accepted = ", ".join(kind) if isinstance(kind, dict) else "integers"
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {accepted}; got {text!r}") from None
+    return parse
+
+
+def _add_memory(commands) -> None:
+    memory = commands.add_parser(
+        "memory", help="bytes per replica of weights, gradients, optimizer state and accumulators",
+        description="Estimate what each replica holds for a model of --params parameters, one row per combination "
+                    "of the comma-separated settings, as DeepSpeed's estimate_zero2_model_states_mem_needs_all_cold "
+                    "prints (docs/memory.md). Activations are not counted. Imports no TensorFlow.")
+    memory.add_argument("--params", required=True, help="trainable parameters: 125M, 1.3B, 7e9, 350K or 125000000")
+    memory.add_argument("--optimizer", type=_comma_list(str), default=["adam"],
+                        help="adam (default), adamw, sgd, sgd_momentum, lion, adagrad, lamb, rmsprop, adamax, ...")
+    memory.add_argument("--precision", type=_comma_list(str), default=["mixed_float16"],
+                        help="mixed_float16 (default), mixed_bfloat16, float32, float16, bfloat16, fp16, bf16, ...")
+    memory.add_argument("--replicas", type=_comma_list(int), default=[1], help="e.g. 1,2,8 (default 1)")
+    memory.add_argument("--stage", type=_comma_list(int), default=[0], help="ZeRO stage: 0 (default), 1 or 0,1")
+    memory.add_argument("--states", type=_comma_list(str), default=["32bit"],
+                        help="optimizer states: 32bit (default), 8bit or 32bit,8bit")
+    memory.add_argument("--accumulation", type=_comma_list(int), default=[1], metavar="STEPS",
+                        help="gradient accumulation steps (default 1)")
+    memory.add_argument("--flat-buffers", type=_comma_list({"off": False, "on": True}), default=[False],
+                        help="kmp.prepare's flat-buffer engine: off (default), on or off,on")
+    memory.add_argument("--json", action="store_true", help="print the rows as JSON")
+    memory.set_defaults(run=_memory)
+
+
 def _add_config(commands) -> None:
     group = commands.add_parser("config", help="work with DeepSpeed-style config files")
     actions = group.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -160,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_env(commands)
     _add_config(commands)
+    _add_memory(commands)
     return parser
 
 
