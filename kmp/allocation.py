@@ -95,7 +95,7 @@ def measured_bytes(model) -> dict[str, Bytes]:
                    ("scalars", wrapper.variables)]
     groups += [("weights", model.trainable_variables + model.non_trainable_variables),
                ("scalars", model.metrics_variables),
-               ("flat_copies", list(built.buffers.buffers.values()) if built is not None else [])]
+               ("flat_copies", _flat_variables(built))]
     seen, totals = set(), {}
     for category, variables in groups:
         for variable in variables:
@@ -116,3 +116,11 @@ def _elements(variable) -> int:
 
 def _nbytes(variable) -> int:
     return _elements(variable) * tf.as_dtype(variable.dtype).size
+
+
+def _flat_variables(built) -> list:
+    """The engine's buffers, and Lamb's per-element segment ids (kmp.flat)."""
+    if built is None:
+        return []
+    ids = getattr(built.buffers, "segment_ids", None)
+    return list(built.buffers.buffers.values()) + ([ids] if ids is not None else [])

@@ -17,7 +17,7 @@ N replicas:
                               float32 scale per BLOCK_SIZE of them (of the shard, at stage 1)
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
                               the window closes)
-    flat_copies      4*P + optimizer_state + 4*P if accumulating: the flat-buffer engine's second copy
+    flat_copies      4*P + optimizer_state + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer engine's second copy
                      (kmp.flat, "Memory"); its weights stay whole at stage 1 (the forward pass reads them)
     scalars          step counters, learning rate, loss-scale state, accumulation counters (and metric totals)
 
@@ -201,7 +201,7 @@ def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
     return MemoryEstimate(
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
-        accumulators=sums + s.other_sums, flat_copies=(4 * p + state + sums) * s.flat_buffers,
+        accumulators=sums + s.other_sums, flat_copies=(4 * p + state + sums + 4 * p * (s.optimizer == "lamb")) * s.flat_buffers,
         scalars=scalars + ACCUMULATION_SCALARS * s.accumulating, parameters=p, optimizer=s.optimizer,
         precision=s.precision, replicas=n, stage=s.stage, states=s.states,
         gradient_accumulation_steps=s.gradient_accumulation_steps, flat_buffers=s.flat_buffers)

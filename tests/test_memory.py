@@ -56,6 +56,7 @@ CASES = [
     pytest.param(1, "mixed_float16", lambda: keras.optimizers.Adam(1e-3), 2, True, id="1-fp16-adam-acc-flat"),
     pytest.param(2, "mixed_float16", lambda: keras.optimizers.AdamW(1e-3), None, True, id="2-fp16-adamw-flat"),
     pytest.param(2, "float32", lambda: keras.optimizers.Adam(1e-3), 2, False, id="2-fp32-adam-acc"),
+    pytest.param(1, "mixed_float16", lambda: keras.optimizers.Lamb(1e-3), None, True, id="1-fp16-lamb-flat"),
 ]
 
 
@@ -73,13 +74,14 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     for device, allocated in measured.items():
         assert allocated == estimate.in_variables(), device
     # By hand: float32 masters only (mixed precision keeps no 16-bit copy), the slots, the sums, the buffers.
-    slots = {"sgd_momentum": 1, "adam": 2, "adamw": 2}[estimate.optimizer]
+    slots = {"sgd_momentum": 1, "adam": 2, "adamw": 2, "lamb": 2}[estimate.optimizer]
+    segment_ids = 4 * PARAMETERS if estimate.optimizer == "lamb" else 0  # kmp.flat's per-element ids
     sums = 4 * PARAMETERS if accumulation else 0
     assert (estimate.parameters, estimate.replicas, estimate.precision) == (PARAMETERS, replicas, precision)
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
     assert (estimate.optimizer_state, estimate.accumulators) == (4 * slots * PARAMETERS, sums)
-    assert estimate.flat_copies == (4 * PARAMETERS * (1 + slots) + sums if flat_buffers else 0)
+    assert estimate.flat_copies == (4 * PARAMETERS * (1 + slots) + sums + segment_ids if flat_buffers else 0)
     # Before the first fit, from kmp.prepare's setting: the same, but the metrics' totals (built by fit).
     assert dataclasses.replace(before, scalars=0) == dataclasses.replace(estimate, scalars=0)
     assert estimate.scalars - before.scalars == 2 * 4  # mae's total and count (the loss tracker's exist before)
