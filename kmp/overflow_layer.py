@@ -280,10 +280,11 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
     def diagnose():
         if overflow.in_xla():  # the whole step is one XLA computation (one device): traced into it
             with _recording(table) as recorder:  # once, here: the replicas' threads share the layers
-                found = _each_replica(strategy, lambda x: tf.stack(culprit(*forward_notes(model, x, recorder))), x)
+                found = _each_replica(
+                    strategy, lambda x: tf.stack(culprit(*forward_notes(model, x, recorder)))[None], x)
         else:
-            found = _each_replica(strategy, functools.partial(_culprit_when_run, model, table), x)
-        found = tf.stack(local(found))  # [replicas, 2]
+            found = _each_replica(strategy, lambda x: _culprit_when_run(model, table, x)[None], x)
+        found = _every_replica(strategy, found)  # [replicas of the whole job, 2]
         # A named layer first, then a non-finite batch, then nothing; replica order breaks ties.
         rank = tf.where(found[:, 0] >= 0, 0, tf.where(found[:, 1] == BATCH, 1, 2))
         layer, what = tf.unstack(tf.gather(found, tf.argmin(rank, output_type=tf.int32)))
@@ -332,6 +333,22 @@ def _culprit_when_run(model, table, x):
 
 
 _EAGER_RUN = threading.Lock()
+
+
+def _every_replica(strategy, found):
+    """Each replica's [1, 2] finding, stacked in replica order: [replicas of the whole job, 2].
+
+    Under MultiWorkerMirroredStrategy a worker holds only its own replicas'
+    findings, so they are gathered: one small collective, on an overflowing
+    step only, which every worker reaches (the overflow decision is shared).
+    Every worker then names the same layer, and the line printed where
+    replica 0 runs says what any worker's share showed.
+    """
+    local = strategy.experimental_local_results(found)
+    if strategy.num_replicas_in_sync == len(local):
+        return tf.concat(local, axis=0)
+    # The collective loses the static shape; the row count is known.
+    return tf.reshape(strategy.gather(found, axis=0), [strategy.num_replicas_in_sync, 2])
 
 
 def _each_replica(strategy, fn, *args):

@@ -400,6 +400,40 @@ def fit_error(strategy, replaced=()) -> str | None:
     return None
 
 
+def forward_overflow(strategy) -> dict:
+    """One global batch whose worker-1 share overflows a layer's float16 output.
+
+    Row 4 (worker 1's) times the all-ones kernel of layer 'hot' is 16 * 3e4,
+    past float16's 65504, while the input itself is finite in float16. Each
+    worker names the layer from every worker's diagnosis (gathered), so worker
+    0, whose own share was clean, names 'hot' too.
+    """
+    import keras
+    import numpy as np
+
+    import kmp.distribute
+    from kmp import overflow_layer
+    from kmp.callbacks import LossScaleMonitor
+
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = make_data()
+    x, y = x[:GLOBAL_BATCH].copy(), np.zeros((GLOBAL_BATCH, 1), "float32")
+    x[4] = 3e4
+    with strategy.scope():
+        inputs = keras.Input((FEATURES,))
+        # Linear: tanh would turn the inf into 1 and nothing downstream would overflow.
+        hidden = keras.layers.Dense(4, kernel_initializer="ones", name="hot")(inputs)
+        model = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(1, name="out")(hidden)))
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), initial_scale=INITIAL_SCALE), loss="mse")
+    kmp.distribute.prepare(model)
+    history = model.fit(make_dataset(x, y), epochs=1, verbose=0, callbacks=[LossScaleMonitor()])
+    state = overflow_layer.state_of(model)
+    layers = [int(v.numpy()) for v in strategy.experimental_local_results(state.layer.value)]
+    logged = int(history.history["overflow_layer"][-1])
+    return {"overflows": history.history["overflows"], "logged": model.layers[logged].name if logged >= 0 else None,
+            "named": [model.layers[i].name if i >= 0 else None for i in layers]}
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -431,6 +465,8 @@ def main(argv: list[str]) -> int:
     # executions of 4 and 2 steps.
     phase("four_steps_per_call")
     result["four_steps_per_call"] = train(strategy, prepare=True, steps_per_execution=4)
+    phase("forward_overflow")
+    result["forward_overflow"] = forward_overflow(strategy)
     # Last: op determinism (for the byte comparison) stays on once set.
     tf.config.experimental.enable_op_determinism()
     phase("resume_mid_window")

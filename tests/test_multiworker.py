@@ -313,3 +313,12 @@ def test_a_window_saved_by_two_replicas_of_one_process_loads_into_two_workers(wo
         (replica,) = loaded["replica_ids"]
         assert loaded["micro_steps"] == 2
         np.testing.assert_array_equal(np.asarray(loaded["sums"][0][0], np.float32), sums[replica])
+
+
+def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_share(workers):
+    """Only worker 1's rows overflow layer 'hot'; the diagnoses are gathered,
+    so worker 0 (which prints the overflow line) names it too."""
+    for w in workers:
+        found = w["forward_overflow"]
+        assert found["overflows"] == [1.0]
+        assert found["named"] == ["hot"] and found["logged"] == "hot", (w["task"], found)
