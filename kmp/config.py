@@ -199,6 +199,9 @@ class Config:
     optimizer: OptimizerSpec | None = None
     scheduler: Any = None  # the checked `scheduler` block, a dict
     zero_stage: int = 0
+    # DeepSpeed's timers (kmp.wall_clock): on through kmp.prepare; the lines every steps_per_print steps.
+    wall_clock_breakdown: bool = False
+    steps_per_print: int | None = None
 
     def __post_init__(self) -> None:
         out: list[Problem] = []
@@ -220,7 +223,8 @@ class Config:
         values.int_in("allreduce_bytes_per_pack", self.allreduce_bytes_per_pack, 0, out)
         if self.gradient_clipping is not None:
             values.positive("gradient_clipping", self.gradient_clipping, out)
-        for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps"):
+        values.boolean("wall_clock_breakdown", self.wall_clock_breakdown, out)
+        for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "steps_per_print"):
             value = getattr(self, name)
             if value is not None:
                 values.int_in(name, value, 1, out)

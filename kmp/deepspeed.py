@@ -131,6 +131,8 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
          lambda v: _DTYPE_NAMES[v.lower()], lambda d: {t: k for k, t in _DTYPE_NAMES.items()}.get(d, d)),
     _Key("prescale_gradients", "prescale_gradients", _BOOL),
     _Key("gradient_predivide_factor", "gradient_predivide_factor", _NUMBER, float),
+    _Key("wall_clock_breakdown", "wall_clock_breakdown", _BOOL),
+    _Key("steps_per_print", "steps_per_print", _INT),
     _Key("kmp.allreduce_bytes_per_pack", "allreduce_bytes_per_pack", ("an integer >= 0 (0: one bucket)",
          lambda v: is_int(v) and v >= 0)),
 )
@@ -140,7 +142,7 @@ _BLOCKS = ("fp16", "bf16", "kmp")
 # Keys DeepSpeed reads (deepspeed/runtime/config.py, precision_config.py,
 # monitor/config.py of DeepSpeed 0.19) that kmp does not act on.
 _IGNORED: dict[str, list[str]] = {
-    "": """steps_per_print wall_clock_breakdown memory_breakdown
+    "": """memory_breakdown
         dump_state activation_checkpointing flops_profiler autotuning tensorboard wandb csv_monitor comet
         trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
         seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather data_types

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kmp import loss_scale, overflow, replica_state, seams, values
+from kmp import loss_scale, overflow, replica_state, seams, values, wall_clock
 from kmp.accumulate import Accumulation
 from kmp.config import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import reduce_mean
@@ -188,6 +188,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        wall_clock.stamp("gradients", grads)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         scale = self.dynamic_scale.value
         # Every micro-batch of a window is scaled by the same scale: it only
@@ -224,23 +225,28 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         shared = reduce_mean([None if o else g for g, o in zip(grads, own)], self.communication,
                              self.dynamic_scale.value, count, weight)
         grads = [g if o else r for g, r, o in zip(grads, shared, own)]
+        wall_clock.stamp("reduced", shared)
         flags = finite_flags(grads)  # which variables overflowed, for the log line
         finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         clip = None
         if self.gradient_clipping is not None:
             clip = global_clip_scale([g for g, o in zip(grads, own) if not o], self.gradient_clipping)
             finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
+        wall_clock.stamp("checked", [finite, clip])
         step, _ = fused_step(self.inner_optimizer, grads, trainable_variables) if self.fused else (None, None)
         if step is not None:
             # The fused update and the state variables (aggregation "none":
             # each replica writes its own copy) need no cross-replica context,
             # and every replica takes the same branch from the same gradients.
             ops.cond(finite, lambda: step(grads, clip), lambda: None)
+            wall_clock.stamp("updated", variables[:1])
             self._adjust(finite, flags, variables)
+            wall_clock.stamp("adjusted", self.skipped_steps)
         else:
             if clip is not None:
                 grads = [g if o or g is None else g * clip for g, o in zip(grads, own)]
             _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite, flags)
+            wall_clock.stamp("updated", [self.skipped_steps, *variables[:1]])  # the loss-scale move too
 
     def apply_flat(self, grad, buffers) -> None:
         """One (micro-)step on flat buffers (kmp.flat): `grad` is this replica's
@@ -250,6 +256,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         check, clipping by the global norm after the reduce, the update in one
         XLA computation if finite.
         """
+        wall_clock.stamp("gradients", grad)
         if self.accumulation is None:
             self._flat_effective_step(grad, buffers, None)
         else:
@@ -270,17 +277,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _flat_effective_step(self, grad, buffers, count):
         reduced = reduce_mean(_chunks(grad, self.communication), self.communication, self.dynamic_scale.value, count)
         grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
+        wall_clock.stamp("reduced", grad)
         finite = tf.reduce_all(tf.math.is_finite(grad))
         clip = None
         if self.gradient_clipping is not None:
             clip = global_clip_scale([grad], self.gradient_clipping)
             finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
+        wall_clock.stamp("checked", [finite, clip])
         ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
+        wall_clock.stamp("updated", buffers.local("weights"))
         variables = self._trainable_variables
         # Which variables overflowed, for the log line: computed on an overflow only.
         flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
         self._adjust(finite, flags, variables)  # one vector: no op per variable on a clean step
+        wall_clock.stamp("adjusted", self.skipped_steps)
 
     def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
         # Every replica computed `finite` from the same reduced gradients. A

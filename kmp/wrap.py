@@ -44,7 +44,8 @@ from kmp.optimizer import LossScaleOptimizer, own_clipping
 from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
-_TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "micro_batch_size")
+_TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "micro_batch_size",
+               "wall_clock_breakdown", "steps_per_print")
 _OPTIMIZER_FIELDS = ("log_overflows", "fused", "communication")
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -68,7 +69,9 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         **overrides: loss-scale settings (`hysteresis=2`, `min_scale=...`,
             any `kmp.LossScaleOptimizer` argument), `gradient_clipping`,
             `gradient_accumulation_steps`, `train_batch_size`,
-            `micro_batch_size` (these also fill "auto" values).
+            `micro_batch_size` (these also fill "auto" values),
+            `wall_clock_breakdown` and `steps_per_print` (DeepSpeed's
+            timers, applied by `kmp.prepare(model)`: kmp.wall_clock).
 
     Batch sizes (`train_batch_size`, `train_micro_batch_size_per_gpu`,
     `gradient_accumulation_steps`) are completed and checked as DeepSpeed
@@ -100,14 +103,24 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         extra["gradient_accumulation_steps"] = steps
     extra.setdefault("communication", settings.communication())
     if chosen.needs_loss_scaling:
-        return LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
-    if replicas > 1 or steps is not None:
+        wrapped = LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
+    elif replicas > 1 or steps is not None:
         # Keras clips each replica's local gradient before its all-reduce, and
         # its own accumulation fails under tf.distribute. kmp's optimizer does
         # both right; a static scale of 1 is that pipeline without scaling
         # (and it still skips non-finite steps).
-        return LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
-    return optimizer if clip is None else _copy_with(optimizer, global_clipnorm=clip)
+        wrapped = LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
+    elif clip is not None:
+        wrapped = _copy_with(optimizer, global_clipnorm=clip)
+    elif settings.wall_clock_breakdown:
+        # A copy, unless built (its state would be lost): then the one attribute below is set on it.
+        wrapped = optimizer if optimizer.built else _copy_with(optimizer)
+    else:
+        return optimizer
+    if settings.wall_clock_breakdown:
+        # Read by kmp.prepare (kmp.wall_clock): a run setting, not saved with the optimizer.
+        wrapped.kmp_wall_clock_breakdown = settings.steps_per_print or True
+    return wrapped
 
 
 def _given(optimizer, policy: Precision, precision, overrides, replicas, total_steps, warmup_steps) -> auto.Given:

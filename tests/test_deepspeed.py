@@ -181,6 +181,8 @@ MAPPING = [
     ({"prescale_gradients": False}, "prescale_gradients", False),
     ({"gradient_predivide_factor": 4}, "gradient_predivide_factor", 4.0),
     ({"kmp": {"allreduce_bytes_per_pack": 2**20}}, "allreduce_bytes_per_pack", 2**20),
+    ({"wall_clock_breakdown": True}, "wall_clock_breakdown", True),
+    ({"steps_per_print": 50}, "steps_per_print", 50),
 ]
 
 
@@ -361,8 +363,7 @@ def test_nan_is_not_a_number_here():
 
 def test_known_deepspeed_keys_kmp_ignores_give_one_warning():
     source = {
-        "steps_per_print": 100,
-        "wall_clock_breakdown": False,
+        "memory_breakdown": False,
         "tensorboard": {"enabled": False},
         "fp16": {"enabled": True, "auto_cast": False, "fp16_master_weights_and_grads": False},
         "bf16": {"immediate_grad_update": True},
@@ -371,7 +372,7 @@ def test_known_deepspeed_keys_kmp_ignores_give_one_warning():
         config = load_config(source)
     assert len(record) == 1
     message = str(record[0].message)
-    for path in ["steps_per_print", "wall_clock_breakdown", "tensorboard",
+    for path in ["memory_breakdown", "tensorboard",
                  "fp16.auto_cast", "fp16.fp16_master_weights_and_grads", "bf16.immediate_grad_update"]:
         assert path in message
     assert record[0].filename == __file__  # points at the caller, not into kmp

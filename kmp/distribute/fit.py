@@ -22,20 +22,21 @@ import types
 import keras
 import tensorflow as tf
 
-from kmp import engine, flat, overflow, overflow_layer, seams, values
+from kmp import engine, flat, overflow, overflow_layer, seams, values, wall_clock
 from kmp.distribute import replica_step
+from kmp.distribute.tpu import is_tpu_strategy
 from kmp.errors import Problem, check
 
 logger = logging.getLogger(__name__)
 
 
 def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True,
-            flat_buffers: bool | str = "auto") -> keras.Model:
+            flat_buffers: bool | str = "auto", wall_clock_breakdown: bool | int | str = "auto") -> keras.Model:
     """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
     requires) and before `fit()`; inside or outside the scope both work.
-    Calling it again only changes `jit_compile`, `find_overflow_layer` and `flat_buffers`. It changes this instance
+    Calling it again only changes its settings. It changes this instance
     only: other models, and Keras's classes, are untouched.
 
     `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
@@ -69,6 +70,14 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     path, with a one-line note, where the buffers do not apply (an optimizer
     other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; non-float32 variables;
     see kmp.flat.support); True says the same as a warning. False: off.
+
+    `wall_clock_breakdown` (kmp.wall_clock): True or N prints, every N steps
+    (True: 10, DeepSpeed's `steps_per_print` default), the mean ms per step
+    of data wait, forward+backward, all-reduce, loss-scale bookkeeping and
+    update, as DeepSpeed's `"wall_clock_breakdown": true` does, and puts
+    them in the logs. "auto": what `kmp.wrap` was told (the config's key),
+    else off. On one device the timed step is not compiled as one XLA
+    computation (a stamp cannot be placed inside one); this is said once.
 
     Two of the instance's methods are replaced, each delegating to Keras's
     (besides the XLA step above):
@@ -107,13 +116,18 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     values.boolean("find_overflow_layer", find_overflow_layer, problems)
     if flat_buffers not in ("auto", True, False):
         problems.append(Problem("flat_buffers", '"auto", True or False', flat_buffers))
+    if not (wall_clock_breakdown in ("auto", True, False) or values.is_int(wall_clock_breakdown)
+            and wall_clock_breakdown >= 1):
+        problems.append(Problem("wall_clock_breakdown", '"auto", True, False or the steps between lines (>= 1)',
+                                wall_clock_breakdown))
     check(problems, "kmp.distribute.prepare arguments")
-    settings = (jit_compile, find_overflow_layer, flat_buffers)
+    settings = (jit_compile, find_overflow_layer, flat_buffers, wall_clock_breakdown)
     if getattr(model, "_kmp_settings", settings) != settings:
         model.train_function = None  # built with the old settings: rebuild at the next fit()
     model._kmp_jit_compile = jit_compile
     model._kmp_find_overflow_layer = find_overflow_layer
     model._kmp_flat_buffers = flat_buffers
+    model._kmp_wall_clock_breakdown = wall_clock_breakdown
     model._kmp_settings = settings
     if flat_buffers:
         engine.install(model)
@@ -149,7 +163,11 @@ def _make_function_prepared(self, step_function):
     several = self.distribute_strategy.num_replicas_in_sync > 1
     # Only Keras's own train_step is swapped: a model's custom one is kept.
     stock_train_step = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
-    if stock_train_step and replica_step.wants_replica_xla(self, setting):
+    every = wall_clock.interval(_breakdown_setting(self))
+    xla = (setting is True or bool(self.jit_compile)) and not self.run_eagerly
+    # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
+    timed_apart = bool(every) and xla and not several
+    if stock_train_step and (replica_step.wants_replica_xla(self, setting) or timed_apart):
         # A new train function (after compile(), a new prepare(), frozen
         # layers) traces new XLA functions: a cached one holds the old loss,
         # metrics and trainable variables.
@@ -166,11 +184,14 @@ def _make_function_prepared(self, step_function):
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
     # replica, that same reduce is the mean over replicas, shape unchanged.
+    kmp_step = buffers is not None or getattr(step_function, "func", None) is replica_step.train_step
+    if every:
+        step_function = wall_clock.timed_step(step_function)
     if seams.get("collective_all_reduce_multi_worker")(self.distribute_strategy):
         step_function = _with_replica_axis(step_function)
     # Keras's jit_compile puts the whole distributed step in one XLA
     # computation, which fails with several replicas.
-    whole_step_xla = (setting is True or bool(self.jit_compile)) and not several
+    whole_step_xla = (setting is True or bool(self.jit_compile)) and not several and not timed_apart
     saved, self._jit_compile = self._jit_compile, whole_step_xla
     try:
         function = type(self)._make_function(self, step_function)
@@ -180,7 +201,45 @@ def _make_function_prepared(self, step_function):
         function = _multi_step_function(self, step_function, function)
     if buffers is not None:
         function = _around_steps(buffers, function)
+    if every:
+        function = _timed(self, every, timed_apart, kmp_step, function)
     return _raising_loss_scale_errors(function)
+
+
+def _breakdown_setting(model):
+    setting = getattr(model, "_kmp_wall_clock_breakdown", "auto")
+    if setting == "auto":
+        return getattr(model.optimizer, "kmp_wall_clock_breakdown", False)
+    return setting
+
+
+def _timed(model, every, timed_apart, kmp_step, function):
+    """`function` timed by kmp.wall_clock, with what it cannot cut on this model said once."""
+    strategy = model.distribute_strategy
+    notes = []
+    if timed_apart:
+        notes.append("the step is not compiled as one XLA computation while timed (its forward/backward and "
+                     "update are); its total with the breakdown off is the one to compare")
+    if is_tpu_strategy(strategy):
+        notes.append("TPUStrategy's step is one XLA program: only its total is measured")
+    if getattr(model.optimizer, "accumulation", None) is not None:
+        notes.append("with gradient accumulation the all-reduce, loss scale and update run inside the window's "
+                     "branch and count in other")
+    kmp_optimizer = hasattr(model.optimizer, "apply_flat")  # kmp.LossScaleOptimizer's
+    if not kmp_step and not kmp_optimizer:
+        notes.append("Keras's own train step (no XLA here) with a Keras optimizer: fwd_bwd and step are not "
+                     "separated and count in other (kmp.wrap gives kmp's optimizer under fp16, a strategy or "
+                     "accumulation)")
+    elif not kmp_optimizer:
+        notes.append("the optimizer is not kmp's: allreduce and loss_scale are not separated from step")
+    steps = int(model.steps_per_execution or 1)
+    if steps > 1:
+        notes.append(f"steps_per_execution={steps}: the parts are each call's last step, total the call / {steps}, "
+                     "data_wait is not separated")
+    chief = bool(strategy.extended.should_checkpoint)
+    if chief and notes:
+        print("kmp: wall-clock breakdown: " + "; ".join(notes) + ".", flush=True)
+    return wall_clock.Breakdown(every, steps, chief)(function)
 
 
 def _engine_for(model):

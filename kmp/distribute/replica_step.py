@@ -33,7 +33,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kmp import seams
+from kmp import seams, wall_clock
 from kmp.distribute.tpu import is_tpu_strategy
 
 JIT_CHOICES = ("auto", True, False)
@@ -73,8 +73,10 @@ def train_step(model: keras.Model, data):
     # Keras's scale_loss does: loss * scale.
     scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
     grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
+    wall_clock.stamp("gradients", grads)
     apply_writes_and_track_loss(model, writes, loss, x)
     model.optimizer.apply(grads, trainable)
+    wall_clock.stamp("updated", trainable[:1])  # kmp's optimizer stamped its own parts already
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
