@@ -39,6 +39,8 @@ _HOMES = {
     "float32_output": "kmp.precision",
     "load_config": "kmp.deepspeed",
     "measured_bytes": "kmp.allocation",
+    "StepRecorder": "kmp.plot",
+    "plot_run": "kmp.plot",
     "memory_estimate": "kmp.memory",
     "precision_scope": "kmp.precision",
     "prepare": "kmp.distribute",

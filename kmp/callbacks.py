@@ -24,7 +24,8 @@ logs instead of asking the metrics again; on TensorFlow these are the same
 values (a train step returns `get_metrics_result()`).
 
 Keras's `TensorBoard` callback needs the `tensorboard` package for its
-scalars, which TensorFlow 2.21 no longer installs.
+scalars, which TensorFlow 2.21 no longer installs: `pip install
+"kmp[tensorboard]"` (tests/test_callbacks.py reads its event files back).
 
 Cost: after each execution of the training function the monitor takes device
 snapshots of the scalars (no host copy); Keras copies them to the host with

@@ -19,6 +19,7 @@ monitor work on this machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -26,6 +27,9 @@ import time
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before minutes of training, not after
+        print('kmp demo: --plot needs matplotlib, an extra: pip install "kmp[plot]"', file=sys.stderr)
+        return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
 
@@ -66,8 +70,9 @@ def _demo(args: argparse.Namespace) -> int:
         kmp.prepare(model)  # XLA forward/backward, and the flat-buffer engine where it applies
         print(f"kmp demo: {chosen} on {len(x)} digits images, optimizer {type(optimizer).__name__}")
         start = time.perf_counter()
+        recorder = kmp.StepRecorder()
         model.fit(x, y, batch_size=batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
-                  callbacks=[LossScaleMonitor()])
+                  callbacks=[LossScaleMonitor(), recorder])
         seconds = time.perf_counter() - start
         loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     print(f"test loss      {loss:.4f}")
@@ -82,6 +87,9 @@ def _demo(args: argparse.Namespace) -> int:
     engine = "flat buffers (kmp.engine)" if kmp.engine.engine_of(model) is not None else "per variable"
     print(f"update         {engine}")
     print(f"train time     {seconds:.1f} s for {args.epochs} epochs")
+    if args.plot:
+        kmp.plot_run(recorder.steps, args.plot, title=f"kmp demo, {chosen.name}")
+        print(f"plot           {args.plot} (loss, loss scale, skipped steps per step)")
     return 0
 
 
@@ -185,6 +193,8 @@ def _add_demo(commands) -> None:
     demo.add_argument("--learning-rate", type=float, default=2e-3)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--verbose", action="store_true", help="print one line per epoch")
+    demo.add_argument("--plot", metavar="PNG", help='draw loss, loss scale and skipped steps per step into this '
+                      'PNG (needs the plot extra: pip install "kmp[plot]")')
     demo.set_defaults(run=_demo)
 
 

@@ -1,10 +1,8 @@
 """kmp.callbacks.LossScaleMonitor: logs in every callback position, TensorBoard,
 Keras's and plain optimizers, and the floor check under XLA."""
 
-import importlib.util
 import itertools
 import pathlib
-import types
 
 import keras
 import numpy as np
@@ -133,28 +131,9 @@ def _scalars(log_dir: pathlib.Path) -> dict[str, list[float]]:
     return {tag: [v for _, v in sorted(points)] for tag, points in found.items()}
 
 
-def _scalar_without_tensorboard(name, data, step=None, description=None):
-    """What `tf.summary.scalar` writes, through TensorFlow's own `tf.summary.write`.
-
-    `tf.summary.scalar` lives in the `tensorboard` package, which TensorFlow
-    2.21 no longer installs (and kmp does not require).
-    """
-    metadata = tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"),
-        summary_description=description or "",
-    )
-    return tf.summary.write(name, tf.cast(data, tf.float32), step=step, metadata=metadata)
-
-
 def _tensorboard(log_dir, update_freq):
-    board = keras.callbacks.TensorBoard(log_dir, update_freq=update_freq, write_graph=False, profile_batch=0)
-    if importlib.util.find_spec("tensorboard") is None:
-        board._summary_module = types.SimpleNamespace(
-            create_file_writer=tf.summary.create_file_writer,
-            record_if=tf.summary.record_if,
-            scalar=_scalar_without_tensorboard,
-        )
-    return board
+    # The real package (the `tensorboard` extra, in the test extras): no stand-in.
+    return keras.callbacks.TensorBoard(log_dir, update_freq=update_freq, write_graph=False, profile_batch=0)
 
 
 @pytest.mark.parametrize("order", ["monitor_first", "tensorboard_first"])

@@ -195,3 +195,23 @@ def test_the_arithmetic_of_a_window():
     assert wall_clock.line(1, 2, np.array(means)) == (
         "kmp: steps 1-2 time (ms) | data_wait: 2.00 | fwd_bwd: 5.00 | allreduce: 2.00 | loss_scale: 0.50"
         " | step: 1.50 | other: 2.00 | total: 13.00")
+
+
+def test_keras_tensorboard_callback_writes_the_parts(tmp_path, capsys):
+    """The real `tensorboard` package (the extra): epoch_ and batch_ scalars of every part."""
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = _data()
+    model = kmp.prepare(_model(), wall_clock_breakdown=4)
+    board = keras.callbacks.TensorBoard(str(tmp_path), update_freq=4, write_graph=False, profile_batch=0)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[board])
+    lines = _lines(capsys.readouterr().out)
+    written = {}
+    for path in sorted((tmp_path / "train").glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                written.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    for part in wall_clock.PARTS:
+        # Batches 4 and 8 (TensorBoard counts from 1), each the window just closed; the epoch's the last.
+        batch = written[f"batch_wall_clock/{part}_ms"]
+        assert batch == pytest.approx([lines[0][2][part], lines[1][2][part]], abs=0.006)
+        assert written[f"epoch_wall_clock/{part}_ms"] == pytest.approx([lines[1][2][part]], abs=0.006)

@@ -1,0 +1,74 @@
+"""kmp.plot and `kmp demo --plot`: a real PNG of the run it claims to show."""
+
+import contextlib
+import io
+
+import keras
+import numpy as np
+import pytest
+from matplotlib import image
+from PIL import Image
+
+import kmp
+from kmp import cli
+from kmp.callbacks import LossScaleMonitor
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _pixels(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE
+    return image.imread(str(path))  # H x W x 4 floats in [0, 1]
+
+
+def _reddish(pixels) -> int:
+    """Pixels of the overflow colour (#d62728), anti-aliasing allowed."""
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    return int(np.sum((r > 0.7) & (g < 0.3) & (b < 0.3)))
+
+
+def test_the_demo_draws_its_run_and_writes_its_numbers_into_the_png(tmp_path):
+    path = tmp_path / "run.png"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["demo", "--epochs", "2", "--plot", str(path)]) == 0
+    printed = dict(line.split(None, 1) if " " in line else (line, "") for line in out.getvalue().splitlines())
+    pixels = _pixels(path)
+    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 400
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50  # lines, text, axes: not blank
+    text = Image.open(path).text
+    # 1438 digits in batches of 32 (the demo's default): 45 steps per epoch.
+    assert text["kmp.steps"] == "90"
+    assert printed["loss"].split() == ["scale", text["kmp.final_loss_scale"]]
+    skipped = printed["skipped"].split()  # "steps  N of M"
+    assert skipped[1] == text["kmp.skipped_steps"]
+    assert len(text["kmp.overflow_steps"].split()) == int(text["kmp.skipped_steps"])
+
+
+def test_skipped_steps_are_marked(tmp_path):
+    """fp16 from a scale of 2**24: the first steps overflow and are skipped."""
+    keras.config.set_dtype_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(size=(96, 8)).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01), initial_scale=2.0**24, log_overflows=False),
+                  loss="mse")
+    recorder = kmp.StepRecorder()
+    model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[recorder, LossScaleMonitor()])
+    skipped = int(model.optimizer.skipped_steps.numpy())
+    assert skipped > 0
+    numbers = kmp.plot_run(recorder.steps, tmp_path / "overflow.png")
+    text = Image.open(tmp_path / "overflow.png").text
+    assert text == {**text, **numbers}
+    assert int(text["kmp.skipped_steps"]) == skipped == len(text["kmp.overflow_steps"].split())
+    assert text["kmp.final_loss_scale"] == f"{float(model.optimizer.dynamic_scale.numpy()):g}"
+    with_marks = _reddish(_pixels(tmp_path / "overflow.png"))
+    # The same run with no overflow recorded: no red marks or lines, only the flat red "skipped" curve.
+    clean = [{**s, "skipped_steps": 0.0} for s in recorder.steps]
+    kmp.plot_run(clean, tmp_path / "clean.png")
+    assert with_marks > _reddish(_pixels(tmp_path / "clean.png")) + 50
+
+
+def test_no_steps_is_a_clear_error(tmp_path):
+    with pytest.raises(kmp.KmpError, match="Received: no steps"):
+        kmp.plot_run([], tmp_path / "x.png")
