@@ -18,44 +18,23 @@ micro-batch 32 per worker.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 MICRO_BATCHES = 8
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def launch(args) -> int:
-    addresses = [f"127.0.0.1:{port}" for port in _free_ports(2)]
-    processes = []
-    for index in range(2):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
-        processes.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--windows", str(args.windows)],
-            env=env, stdout=subprocess.PIPE if index else None,
-        ))
-    try:
-        codes = [p.wait(timeout=1800) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-    return max(codes)
+    import common  # noqa: F401  (this checkout's kmp first on sys.path)
+    from kmp.launch import LocalJob
+
+    command = [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--windows", str(args.windows)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # Only worker 0 prints the table; TensorFlow's own thread counts, as the figures were measured.
+    with LocalJob(command, 2, env=env, threads=False) as job:
+        job.wait(timeout=1800)
+    return job.exit_status()
 
 
 def worker(args) -> int:

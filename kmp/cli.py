@@ -5,6 +5,7 @@
     kmp demo          train a small model in mixed precision on the bundled digits data
     kmp config check  what a DeepSpeed-style config resolves to, as a table; exit 0/1 (kmp/config_check.py)
     kmp memory        bytes per replica of weights, gradients, optimizer state, accumulators (kmp/memory.py)
+    kmp launch        start a multi-worker job's workers, each with its TF_CONFIG (kmp/launch.py)
 
 Only the subcommand that runs imports what it needs, so `kmp --help` and
 `kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
@@ -91,6 +92,24 @@ def _demo(args: argparse.Namespace) -> int:
         kmp.plot_run(recorder.steps, args.plot, title=f"kmp demo, {chosen.name}")
         print(f"plot           {args.plot} (loss, loss scale, skipped steps per step)")
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from kmp import launch
+
+    command = [sys.executable, args.script, *args.script_args]
+    if args.hostfile:
+        with open(args.hostfile, encoding="utf-8") as f:
+            hosts = launch.parse_hostfile(f.read(), args.hostfile)
+        if args.workers is not None:
+            print("kmp launch: --workers is ignored with --hostfile (its slots are the workers)", file=sys.stderr)
+        # Remote hosts run their own Python: the script by the name given, with `python`.
+        commands = launch.host_commands(hosts, ["python", args.script, *args.script_args], args.master_port)
+        print(f"# {len(commands)} workers on {len(hosts)} hosts; run each line on its host (kmp does not ssh):")
+        for host, line in commands:
+            print(f"{host}: {line}")
+        return 0
+    return launch.run_local(command, args.workers or 1, timeout=args.timeout)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -198,6 +217,23 @@ def _add_demo(commands) -> None:
     demo.set_defaults(run=_demo)
 
 
+def _add_launch(commands) -> None:
+    launch = commands.add_parser(
+        "launch", help="start a MultiWorkerMirroredStrategy job's workers, each with its TF_CONFIG",
+        description="Start N local worker processes of SCRIPT on 127.0.0.1, each with its TF_CONFIG (free ports), "
+                    "relay their output as '[worker i] ...', and stop them all when one fails. With --hostfile "
+                    "(DeepSpeed's format: 'hostname slots=N' lines), print each worker's command with its "
+                    "TF_CONFIG, to run on its host; kmp does not ssh.")
+    launch.add_argument("--workers", type=int, metavar="N", help="local worker processes (default 1)")
+    launch.add_argument("--hostfile", help="DeepSpeed-style hostfile: print each host's commands instead")
+    launch.add_argument("--master-port", type=int, default=29500,
+                        help="with --hostfile: the first port on each host (DeepSpeed's default 29500)")
+    launch.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every worker after this long")
+    launch.add_argument("script", help="the Python script each worker runs")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    launch.set_defaults(run=_launch)
+
+
 def _add_env(commands) -> None:
     env = commands.add_parser(
         "env", help="versions, devices, fp16/bf16 and XLA support, and which kmp features run here",
@@ -220,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(commands)
     _add_config(commands)
     _add_memory(commands)
+    _add_launch(commands)
     return parser
 
 

@@ -1,13 +1,17 @@
 """Multi-worker training with kmp: MultiWorkerMirroredStrategy, mixed float16.
 
-Launch N local workers on 127.0.0.1 (each a process with its own TF_CONFIG):
+One script per worker; TF_CONFIG names the cluster. Two local workers on
+127.0.0.1 (kmp launch gives each its TF_CONFIG and relays their output):
 
-    python recipes/multiworker.py --workers 2
+    kmp launch --workers 2 recipes/multiworker.py
 
-Or, on a real cluster, run one worker per machine with TF_CONFIG set there:
+On a real cluster, one worker per machine with TF_CONFIG set there (or
+`kmp launch --hostfile hosts recipes/multiworker.py` prints each host's command):
 
     TF_CONFIG='{"cluster": {"worker": ["host1:12345", "host2:12345"]},
-                "task": {"type": "worker", "index": 0}}' python recipes/multiworker.py --worker
+                "task": {"type": "worker", "index": 0}}' python recipes/multiworker.py
+
+Without TF_CONFIG it runs on this process's default strategy.
 
 Each worker trains a small classifier on the digits data shipped with kmp
 (`kmp.datasets.load_digits`, no network needed) and prints its final test
@@ -26,10 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import threading
 import time
 
 GLOBAL_BATCH = 64  # split evenly across the replicas of all workers
@@ -45,8 +46,6 @@ def train(args: argparse.Namespace) -> int:
     from kmp.callbacks import LossScaleMonitor
     from kmp.datasets import load_digits
 
-    if args.threads:
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     # A collective whose peer died fails after this long instead of waiting forever.
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)
     strategy = kmp.distribute.resolve_strategy(args.strategy, communication_options=options)
@@ -104,77 +103,14 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Start `args.workers` local workers on 127.0.0.1 and relay their output."""
-    sockets = [socket.socket() for _ in range(args.workers)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in sockets]
-    for s in sockets:
-        s.close()
-    command = [sys.executable, os.path.abspath(__file__), "--worker", *_worker_flags(args)]
-    processes = []
-    for index in range(args.workers):
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=_relay, args=(process, index), daemon=True).start()
-        processes.append(process)
-    print(f"launched {args.workers} workers on {', '.join(addresses)}", flush=True)
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in processes):
-        if any(p.poll() not in (None, 0) for p in processes) or time.monotonic() > deadline:
-            break  # the others would wait for the dead one in their collectives
-        time.sleep(0.2)
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    codes = [p.returncode for p in processes]
-    if codes != [0] * len(processes):
-        print(f"workers failed or timed out after {args.timeout} s: exit codes {codes}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _worker_flags(args: argparse.Namespace) -> list[str]:
-    return [
-        f"--epochs={args.epochs}", f"--learning-rate={args.learning_rate}", f"--seed={args.seed}",
-        f"--strategy={args.strategy}", f"--collective-timeout={args.collective_timeout}",
-        f"--threads={args.threads}",
-    ]
-
-
-def _relay(process: subprocess.Popen, index: int) -> None:
-    for line in process.stdout:
-        named = line.startswith(f"worker {index}:")
-        print(line if named else f"[worker {index}] {line}", end="", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=2, help="local workers to launch (default 2)")
-    parser.add_argument("--worker", action="store_true", help="run one worker; TF_CONFIG names the cluster")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strategy", default="auto", help="auto (default), multi_worker_mirrored, ...")
     parser.add_argument("--collective-timeout", type=float, default=120.0, help="seconds")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the launcher waits for its workers")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="intra-op threads per worker (0: TensorFlow's default; local launches use "
-                             "cores // workers)")
-    args = parser.parse_args(argv)
-    if args.worker:
-        return train(args)
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
-    if not args.threads:
-        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
-    return launch(args)
+    return train(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

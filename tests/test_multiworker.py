@@ -11,16 +11,15 @@ cannot hang the suite.
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from kmp.launch import LocalJob
 
 pytestmark = pytest.mark.slow
 
@@ -39,47 +38,14 @@ def _load_worker_module():
 worker = _load_worker_module()
 
 
-def _free_ports(count):
-    # All sockets stay open until every port is chosen, so the ports differ.
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _run_workers(directory: Path, window_dir: Path, count: int = 2) -> list[dict]:
-    addresses = [f"127.0.0.1:{port}" for port in _free_ports(count)]
-    processes, logs = [], []
-    for index in range(count):
-        env = dict(os.environ)
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
-        log = open(directory / f"worker{index}.log", "w")
-        logs.append(log)
-        out = directory / f"worker{index}.json"
-        processes.append(subprocess.Popen(
-            [sys.executable, str(_WORKER), str(out), str(window_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT,
-        ))
-    deadline = time.monotonic() + _DEADLINE_S
-    try:
-        while any(p.poll() is None for p in processes):
-            failed = any(p.poll() not in (None, 0) for p in processes)
-            if failed or time.monotonic() > deadline:
-                break  # a peer of a dead worker would wait in its collectives
-            time.sleep(0.2)
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in processes]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
+    # kmp launch's machinery; TensorFlow's own thread counts, as these tests were timed with.
+    job = LocalJob(lambda i: [sys.executable, _WORKER, directory / f"worker{i}.json", window_dir], count,
+                   env=env, cwd=_ROOT, log_dir=directory, threads=False)
+    with job:
+        codes = job.wait(timeout=_DEADLINE_S)  # a peer of a dead worker would wait in its collectives
     if codes != [0] * count:
         tails = "\n".join(
             f"--- worker {i} (exit code {code}) ---\n" + (directory / f"worker{i}.log").read_text()[-3000:]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,9 @@ import tensorflow as tf
 
 import kmp
 from kmp.backup import BackupAndRestore, BackupError, read_backup
+# kmp.launch's ports and TF_CONFIG; the processes are started here, one by one, since the
+# test restarts a single worker into a running job (kmp.launch.LocalJob starts and stops them all).
+from kmp.launch import free_ports, tf_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:precision .mixed_float16. on CPU:UserWarning")]
 
@@ -61,17 +63,6 @@ SURVIVOR_DEADLINE_S = 60  # the survivor fails within ~10 s (TensorFlow's heartb
 RESTARTED_GRACE_S = 5     # how long the manager lets the other worker go on after a failure
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Cluster:
     """Worker processes on 127.0.0.1, each in its own process group; a log of what happened."""
 
@@ -87,12 +78,12 @@ class Cluster:
         self.events.append(f"{time.monotonic() - self.started:6.1f}s {text}")
 
     def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{port}" for port in _free_ports(2)]
+        return [f"127.0.0.1:{port}" for port in free_ports(2)]
 
     def start(self, name: str, index: int, addresses: list[str], kill_after: int | None = None,
               backup_dir: Path | None = None) -> subprocess.Popen:
         env = dict(os.environ)
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
+        env["TF_CONFIG"] = tf_config(addresses, index)
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
         command = [sys.executable, str(_WORKER), str(self.directory / name), str(backup_dir or self.backup_dir)]
