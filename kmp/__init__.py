@@ -37,6 +37,7 @@ _HOMES = {
     "distribute": None,
     "check_hardware": "kmp.precision",
     "float32_output": "kmp.precision",
+    "input_pipeline": "kmp.pipeline",
     "load_config": "kmp.deepspeed",
     "measured_bytes": "kmp.allocation",
     "StepRecorder": "kmp.plot",
