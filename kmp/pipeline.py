@@ -69,11 +69,11 @@ def input_pipeline(dataset: tf.data.Dataset, config: Config | Mapping[str, Any] 
     if not isinstance(dataset, tf.data.Dataset):
         problems.append(Problem("dataset", "a tf.data.Dataset of single examples", type(dataset).__name__,
                                 "Wrap arrays with tf.data.Dataset.from_tensor_slices((x, y))."))
-    elif "Batch" in type(dataset).__name__:
+    elif (batched := _batched_by(dataset)) is not None:
         problems.append(Problem("dataset", "an unbatched dataset (one example per element)",
-                                f"a batched dataset ({type(dataset).__name__.strip('_')})",
-                                f"Pass it before .batch(): kmp batches by {micro} x {replicas} replicas = "
-                                f"{global_batch} per step."))
+                                f"a dataset batched by {batched}",
+                                f"Pass it from before .batch() (or .unbatch() it): kmp batches by {micro} x "
+                                f"{replicas} replicas = {global_batch} per step."))
     own = _accumulation_of(model)
     if own is not None and own != accumulation:
         problems.append(Problem(
@@ -106,6 +106,25 @@ def _settings(config, micro, accumulation, train) -> Config:
     if given:
         settings = dataclasses.replace(settings, **given)
     return settings
+
+
+def _batched_by(dataset: tf.data.Dataset) -> str | None:
+    """The batching op upstream of `dataset` that no unbatch undoes, or None.
+
+    Walks the pipeline through `Dataset._inputs()` (private; kmp/seams.py
+    lists it): shapes alone cannot tell, since an example may itself have a
+    leading None (a token sequence).
+    """
+    pending = [dataset]
+    while pending:
+        node = pending.pop()
+        name = type(node).__name__
+        if name == "_UnbatchDataset":
+            continue
+        if name.endswith("BatchDataset") or name == "_DenseToRaggedDataset":
+            return name.strip("_")
+        pending.extend(node._inputs())
+    return None
 
 
 def _accumulation_of(model) -> int | None:

@@ -106,6 +106,9 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     "tf.distribute DistributedVariable": (
         "_get_on_device_or_primary",  # kmp.fused: this replica's own component
     ),
+    "tf.data.Dataset": (
+        "_inputs",                 # kmp.input_pipeline: walks the pipeline to refuse a batched dataset
+    ),
     "tf.__internal__.distribute": (
         "strategy_supports_no_merge_call",  # kmp.LossScaleOptimizer
         "interim",                          # .maybe_merge_call: Keras's own route to merge_call or not

@@ -59,6 +59,7 @@ def _objects(strategy):
         "keras TFOptimizer": [keras.optimizers.SGD()],
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
         "tf.distribute DistributedVariable": [mirrored],
+        "tf.data.Dataset": [tf.data.Dataset.range(4), tf.data.Dataset.range(4).batch(2).prefetch(1)],
         "tf.__internal__.distribute": [tf.__internal__.distribute],
     }
 

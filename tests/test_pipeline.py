@@ -65,9 +65,18 @@ def test_a_model_that_accumulates_differently_is_an_error():
         kmp.input_pipeline(_examples(), micro_batch_size=8, gradient_accumulation_steps=2, model=model)
 
 
-def test_an_already_batched_dataset_is_an_error():
-    with pytest.raises(kmp.ConfigError, match=r"dataset: expected an unbatched dataset.*Pass it before .batch\(\)"):
-        kmp.input_pipeline(_examples().batch(8), micro_batch_size=8)
+@pytest.mark.parametrize("batched", [
+    lambda d: d.batch(8), lambda d: d.batch(8).map(lambda x, y: (x, y)).prefetch(2),
+    lambda d: d.padded_batch(8), lambda d: tf.data.Dataset.zip((d.batch(8), d.batch(8))),
+])
+def test_an_already_batched_dataset_is_an_error(batched):
+    with pytest.raises(kmp.ConfigError, match=r"dataset: expected an unbatched dataset.*Pass it from before .batch"):
+        kmp.input_pipeline(batched(_examples()), micro_batch_size=8)
+
+
+def test_a_batched_then_unbatched_dataset_is_taken():
+    data = kmp.input_pipeline(_examples().batch(5).unbatch(), micro_batch_size=8, shuffle=None)
+    assert [len(y) for _, y in data] == [8] * 12
 
 
 def test_fewer_examples_than_one_global_batch_is_an_error(two_replicas):
