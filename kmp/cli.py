@@ -6,6 +6,7 @@
     kmp config check  what a DeepSpeed-style config resolves to, as a table; exit 0/1 (kmp/config_check.py)
     kmp memory        bytes per replica of weights, gradients, optimizer state, accumulators (kmp/memory.py)
     kmp launch        start a multi-worker job's workers, each with its TF_CONFIG (kmp/launch.py)
+    kmp bench         the P1-P4 comparisons of benchmarks/ on this machine, kmp vs stock Keras (kmp/bench.py)
 
 Only the subcommand that runs imports what it needs, so `kmp --help` and
 `kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
@@ -110,6 +111,12 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"{host}: {line}")
         return 0
     return launch.run_local(command, args.workers or 1, timeout=args.timeout)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kmp import bench
+
+    return bench.run(quick=args.quick, only=args.only)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -234,6 +241,16 @@ def _add_launch(commands) -> None:
     launch.set_defaults(run=_launch)
 
 
+def _add_bench(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="the P1-P4 comparisons (kmp vs stock Keras) on this machine",
+        description="Run the project's benchmark scripts (P1/P2 step time, P3 update bandwidth, P4 accumulation "
+                    "under MultiWorkerMirroredStrategy), each in its own process, and print their tables.")
+    bench.add_argument("--quick", action="store_true", help="fewer rounds and steps: a few minutes in all")
+    bench.add_argument("--only", metavar="P", help="one comparison: P1 (with P2), P3 or P4")
+    bench.set_defaults(run=_bench)
+
+
 def _add_env(commands) -> None:
     env = commands.add_parser(
         "env", help="versions, devices, fp16/bf16 and XLA support, and which kmp features run here",
@@ -257,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(commands)
     _add_memory(commands)
     _add_launch(commands)
+    _add_bench(commands)
     return parser
 
 
