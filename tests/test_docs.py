@@ -395,8 +395,8 @@ NOT_RUN = {
     "on an overflow:                        # the step is always skipped":
         "pseudo-code of kmp/loss_scale.py; the python block after it runs the examples",
     "micro-batch 1..N-1 (each replica, no communication):": "pseudo-code of an accumulation window",
-    "launched 2 workers on 127.0.0.1:38689, 127.0.0.1:41827":
-        "output of recipes/multiworker.py, two worker processes: too slow for this file",
+    "kmp launch: 2 workers on 127.0.0.1:47945, 127.0.0.1:48689":
+        "output of recipes/multiworker.py under kmp launch, two worker processes (tests/test_launch.py runs it)",
 }
 
 
