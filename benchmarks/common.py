@@ -103,3 +103,19 @@ def report(title: str, times: dict[str, list[float]], baseline: str) -> None:
         median = statistics.median(values)
         spread = f"{min(values):.1f}-{max(values):.1f}"
         print(f"{name:{width}s} {median:15.1f} {spread:>14s} {median / base:7.2f}x")
+
+
+def alternating_steps(pair: dict, steps: int, warmup: int = 20) -> dict[object, list[float]]:
+    """ms of single `model.train_function(iterator)` calls, the loss read back, for each
+    `key -> (model, iterator, ...)` of a pair, in alternation (the order flips each round),
+    so the drift of a shared machine hits both alike. The first `warmup` rounds are not kept."""
+    a, b = pair
+    times = {a: [], b: []}
+    for k in range(steps + warmup):
+        for key in (a, b) if k % 2 else (b, a):
+            model, iterator = pair[key][:2]
+            start = time.perf_counter()
+            float(model.train_function(iterator)["loss"])
+            if k >= warmup:
+                times[key].append((time.perf_counter() - start) * 1000)
+    return times

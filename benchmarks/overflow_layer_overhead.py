@@ -26,7 +26,7 @@ import argparse
 import statistics
 import time
 
-from common import mlp, regression_data, use_two_logical_cpus
+from common import alternating_steps, mlp, regression_data, use_two_logical_cpus
 
 
 def main() -> None:
@@ -75,14 +75,7 @@ def main() -> None:
     print(f"{'':68s} {'off ms':>8s} {'on ms':>8s} {'on/off':>7s}   first fit() off / on (s)")
     for title, strategy, jit, policy in groups:
         pair = {find: variant(strategy, find, jit, policy) for find in (False, True)}
-        times = {False: [], True: []}
-        for k in range(args.steps + 20):
-            for find in (False, True) if k % 2 else (True, False):
-                model, iterator, _ = pair[find]
-                start = time.perf_counter()
-                float(model.train_function(iterator)["loss"])
-                if k >= 20:  # warm-up steps are not counted
-                    times[find].append((time.perf_counter() - start) * 1000)
+        times = alternating_steps(pair, args.steps)
         for model, _, _ in pair.values():
             assert int(model.optimizer.skipped_steps.numpy()) == 0, "an overflow: not a clean-step timing"
         off, on = statistics.median(times[False]), statistics.median(times[True])

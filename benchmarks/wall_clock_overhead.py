@@ -24,7 +24,7 @@ import argparse
 import statistics
 import time
 
-from common import mlp, regression_data, use_two_logical_cpus
+from common import alternating_steps, mlp, regression_data, use_two_logical_cpus
 
 
 def main() -> None:
@@ -71,14 +71,7 @@ def main() -> None:
     print(f"{'':52s} {'off ms':>8s} {'on ms':>8s} {'on/off':>7s}   first fit() off / on (s)")
     for title, strategy in groups:
         pair = {on: variant(strategy, on) for on in (False, True)}
-        times = {False: [], True: []}
-        for k in range(args.steps + 20):
-            for on in (False, True) if k % 2 else (True, False):
-                model, iterator, _ = pair[on]
-                start = time.perf_counter()
-                float(model.train_function(iterator)["loss"])
-                if k >= 20:  # warm-up steps are not counted
-                    times[on].append((time.perf_counter() - start) * 1000)
+        times = alternating_steps(pair, args.steps)
         off, on = statistics.median(times[False]), statistics.median(times[True])
         print(f"{title:52s} {off:8.2f} {on:8.2f} {on / off:7.3f}   {pair[False][2]:.1f} / {pair[True][2]:.1f}")
 
