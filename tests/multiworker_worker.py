@@ -434,6 +434,28 @@ def forward_overflow(strategy) -> dict:
             "named": [model.layers[i].name if i >= 0 else None for i in layers]}
 
 
+def wall_clock_breakdown(strategy) -> dict:
+    """kmp.wall_clock across workers: the lines (the chief's only) and the logs' keys (every worker's)."""
+    import contextlib
+    import io
+
+    import keras
+
+    import kmp.distribute
+
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = make_data()
+    with strategy.scope():
+        model = build_model()
+    kmp.distribute.prepare(model, wall_clock_breakdown=3)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        history = model.fit(make_dataset(x, y), epochs=1, verbose=0)  # 6 steps
+    lines = [line for line in printed.getvalue().splitlines() if line.startswith("kmp: steps")]
+    return {"lines": lines, "keys": sorted(k for k in history.history if k.startswith("wall_clock/")),
+            "total_ms": history.history["wall_clock/total_ms"][-1]}
+
+
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -467,6 +489,8 @@ def main(argv: list[str]) -> int:
     result["four_steps_per_call"] = train(strategy, prepare=True, steps_per_execution=4)
     phase("forward_overflow")
     result["forward_overflow"] = forward_overflow(strategy)
+    phase("wall_clock_breakdown")
+    result["wall_clock_breakdown"] = wall_clock_breakdown(strategy)
     # Last: op determinism (for the byte comparison) stays on once set.
     tf.config.experimental.enable_op_determinism()
     phase("resume_mid_window")

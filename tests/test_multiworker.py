@@ -288,3 +288,13 @@ def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_sha
         found = w["forward_overflow"]
         assert found["overflows"] == [1.0]
         assert found["named"] == ["hot"] and found["logged"] == "hot", (w["task"], found)
+
+
+def test_wall_clock_breakdown_prints_on_the_chief_and_logs_on_every_worker(workers):
+    """kmp.wall_clock's stamps travel through the logs' reduction across workers (float64, replica axis)."""
+    chief, other = (w["wall_clock_breakdown"] for w in workers)
+    assert [line.split(" time")[0] for line in chief["lines"]] == ["kmp: steps 1-3", "kmp: steps 4-6"]
+    assert other["lines"] == []  # printed on the chief only, as DeepSpeed prints on rank 0
+    assert chief["keys"] == other["keys"] == sorted(f"wall_clock/{p}_ms" for p in (
+        "data_wait", "fwd_bwd", "allreduce", "loss_scale", "step", "other", "total"))
+    assert chief["total_ms"] > 0 and other["total_ms"] > 0
