@@ -63,7 +63,9 @@ PARTS = ("data_wait", "fwd_bwd", "allreduce", "loss_scale", "step", "other", "to
 # Which part the time up to each stamp belongs to (from the stamp before it).
 _PART_OF = {"gradients": "fwd_bwd", "reduced": "allreduce", "checked": "loss_scale", "updated": "step",
             "adjusted": "loss_scale"}
-DEFAULT_EVERY = 10  # DeepSpeed's steps_per_print default (deepspeed/runtime/constants.py)
+# DeepSpeed's long-standing steps_per_print default (deepspeed/runtime/constants.py; its newer
+# versions default to None).
+DEFAULT_EVERY = 10
 
 _local = threading.local()
 
@@ -115,8 +117,8 @@ def timed_step(step_function):
                 outputs = step_function(data)
         finally:
             _local.recording = None
-        if "start" not in stamps:  # the step is one XLA computation (TPU): only the call is timed
-            return outputs
+        if "start" not in stamps or not isinstance(outputs, dict):
+            return outputs  # one XLA computation (TPU), or a custom step's own outputs: only the call is timed
         return {**outputs, KEY: _parts(stamps)}
 
     step.__wrapped__ = step_function
