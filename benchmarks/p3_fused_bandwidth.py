@@ -163,10 +163,10 @@ def _time(functions, rounds, steps):
     return {name: (statistics.median(s), min(s), max(s), first[name]) for name, s in samples.items()}
 
 
-def bandwidth_table(rounds, steps, alternatives):
+def bandwidth_table(rounds, steps, alternatives, layouts=LAYOUTS):
     methods = METHODS + (ALTERNATIVES if alternatives else [])
     rows = []
-    for count, size in LAYOUTS:
+    for count, size in layouts:
         grads = [tf.Variable(np.random.default_rng(i).normal(size=size).astype("float32")) for i in range(count)]
         functions = {**_copy_methods(count, size, grads), **_adam_methods(count, size, grads, alternatives)}
         timings = _time({m: functions[m] for m in methods}, rounds, steps)
@@ -203,11 +203,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="fewer rounds; no alternative layouts, no per-variable cost table")
+    parser.add_argument("--bandwidth-only", action="store_true",
+                        help=f"only the {LAYOUTS[0][0]} x {LAYOUTS[0][1] // 1000}K layout, the bandwidth-bound one "
+                             f"(the {LAYOUTS[1][0]}-variable one compiles for minutes)")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else 9
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPUs; "
           f"rounds={rounds}, GROUP_SIZE={fused.GROUP_SIZE}")
-    bandwidth_table(rounds, 3 if args.quick else 10, alternatives=not args.quick)
+    bandwidth_table(rounds, 3 if args.quick else 10, alternatives=not args.quick,
+                    layouts=LAYOUTS[:1] if args.bandwidth_only else LAYOUTS)
     if not args.quick:
         overhead_table(rounds)
 

@@ -14,8 +14,8 @@ benchmarks/, streamed as it comes:
                                      (2 local workers): one all-reduce per window vs
                                      one per micro-batch
 
-`--quick` runs fewer rounds and steps (a few minutes in all on 2 cores; the
-medians are noisier). The scripts live in benchmarks/ of a checkout; an
+`--quick` runs fewer rounds and steps, and P3 on its bandwidth-bound layout
+only (about 5 minutes in all on 2 cores; the medians are noisier). The scripts live in benchmarks/ of a checkout; an
 installed kmp carries them in `<prefix>/share/kmp/benchmarks` (setup.cfg's
 data_files). They measure the kmp they import: the checkout's, else the
 installed one.
@@ -35,7 +35,7 @@ from kmp.errors import KmpError
 # (name, script, arguments, --quick arguments)
 COMPARISONS = (
     ("P1, P2: step time, kmp vs Keras", "p1_p2_step_time.py", [], ["--rounds", "2", "--steps", "10"]),
-    ("P3: the fused update vs memory bandwidth", "p3_fused_bandwidth.py", [], ["--quick"]),
+    ("P3: the fused update vs memory bandwidth", "p3_fused_bandwidth.py", [], ["--quick", "--bandwidth-only"]),
     ("P4: accumulation under MultiWorkerMirroredStrategy", "p4_accumulation_allreduce.py", [],
      ["--rounds", "1", "--windows", "2"]),
 )

@@ -1,9 +1,9 @@
 """`kmp bench`: it finds the benchmark scripts and hands each arguments its own parser accepts.
 
-The comparisons themselves take minutes (`kmp bench --quick`: 7 min 50 s on
-2 cores, 2026-11-24; the figures are in the closing notes and docs), too
-long for the suite; the scripts' arguments are checked here by their own
-parsers, stopped right after parsing.
+The comparisons themselves take minutes (`kmp bench --quick`: about 4 on 2
+cores, 2026-11-24: P1/P2 167 s, P3 20 s, P4 53 s), too long for the suite;
+the scripts' arguments are checked here by their own parsers, stopped right
+after parsing.
 """
 
 import argparse
