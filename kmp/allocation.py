@@ -22,7 +22,7 @@ import math
 import keras
 import tensorflow as tf
 
-from kmp import engine, flat, seams
+from kmp import engine, seams
 from kmp.errors import Problem, check
 from kmp.memory import (CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS, OPTIMIZER_SCALARS, Bytes, Setup,
                         optimizer_slots)
@@ -72,14 +72,9 @@ def _flat_in_use(model) -> bool:
 
     if engine.engine_of(model) is not None:
         return True
-    setting = getattr(model, "_kmp_flat_buffers", False)
-    # As kmp.distribute.fit._engine_for decides; a model's own train_step keeps the per-variable path.
-    if not setting or model.run_eagerly or flat.support(model) is not None:
-        return False
     if getattr(type(model), "train_step", None) is not seams.get("TensorFlowTrainer").train_step:
-        return False
-    sizes = flat.sizes(model.trainable_variables)
-    return setting is True or sum(sizes) // len(sizes) <= fit.AUTO_MEAN_PARAMETERS
+        return False  # a model's own train_step keeps the per-variable path
+    return fit.flat_reason(model) is None
 
 
 def measured_bytes(model) -> dict[str, Bytes]:

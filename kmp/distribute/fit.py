@@ -242,26 +242,38 @@ def _timed(model, every, timed_apart, kmp_step, function):
     return wall_clock.Breakdown(every, steps, chief)(function)
 
 
-def _engine_for(model):
-    """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
+def flat_reason(model) -> str | None:
+    """Why fit() would not train `model` on the flat buffers (None: it would), by prepare's `flat_buffers`.
+
+    Also read by kmp.allocation (what `kmp memory` counts). A model's own
+    train_step keeps the per-variable path too (_make_function_prepared).
+    """
     setting = getattr(model, "_kmp_flat_buffers", False)
     if not setting:
-        return None
+        return "flat_buffers=False"
     if model.run_eagerly:
-        return _no_engine(model, "run_eagerly=True (the buffers' step is compiled)")
+        return "run_eagerly=True (the buffers' step is compiled)"
     reason = flat.support(model)
-    if reason is None and not model.optimizer.built:
-        # Without a strategy Keras builds it in the first step; the buffers need its slots now.
-        with model.distribute_strategy.scope():
-            model.optimizer.build(model.trainable_variables)
     if setting == "auto" and reason is None:
         sizes = flat.sizes(model.trainable_variables)
         mean = sum(sizes) // len(sizes)
         if mean > AUTO_MEAN_PARAMETERS:
             reason = (f"its variables hold {mean:,} parameters on average (> {AUTO_MEAN_PARAMETERS:,}), where "
                       f"per-variable updates measured faster; flat_buffers=True uses the buffers anyway")
+    return reason
+
+
+def _engine_for(model):
+    """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
+    if not getattr(model, "_kmp_flat_buffers", False):
+        return None
+    reason = flat_reason(model)
     if reason is not None:
         return _no_engine(model, reason)
+    if not model.optimizer.built:
+        # Without a strategy Keras builds it in the first step; the buffers need its slots now.
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
     current = engine.engine_of(model)
     key = (id(model.optimizer), tuple(id(v) for v in model.trainable_variables))
     if current is None or current.buffers.key != key:
