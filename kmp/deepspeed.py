@@ -73,8 +73,8 @@ def _none_is_zero(v: float | None) -> float:
 
 
 def _two_to_the(power: int) -> float:
-    # A power past float range becomes inf, which the range check then reports.
-    return math.ldexp(1.0, power) if power < 1024 else math.inf
+    # A power past float range becomes inf, which the range check then reports. int(): ldexp refuses numpy ints.
+    return math.ldexp(1.0, int(power)) if power < 1024 else math.inf
 
 
 def _is_power_of_two(x: Any) -> bool:

@@ -497,6 +497,7 @@ NOT_A_CONFIG = st.sampled_from([None, 3, 2.5, [], [{"fp16": {}}], ("fp16",), b'{
 
 @fuzz(300)
 @example({"": 1})  # a problem without a path
+@example({"fp16": {"initial_scale_power": np.int64(2)}})  # was a TypeError from math.ldexp (CI, 2026-11-24)
 @example({"kmp": {"max_scale": np.array([])}})  # was a ValueError from `value == "auto"`
 @example({"fp16": {"hysteresis": 10**400}, "gradient_clipping": 10**400})  # was an OverflowError
 @given(st.one_of(DS_DICTS, DS_DICTS, DS_DICTS, NOT_A_CONFIG))
