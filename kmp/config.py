@@ -195,7 +195,7 @@ class Config:
     allreduce_bytes_per_pack: int = 0
     # The job around the precision: DeepSpeed's optimizer and scheduler
     # blocks as checked specs (kmp.optimizers, kmp.schedules; kmp.wrap builds
-    # them), and the ZeRO stage asked for (kmp keeps everything whole).
+    # them), and the ZeRO stage asked for (kmp builds stage 1: 2 and 3 run as 1).
     optimizer: OptimizerSpec | None = None
     scheduler: Any = None  # the checked `scheduler` block, a dict
     zero_stage: int = 0

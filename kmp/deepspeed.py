@@ -431,12 +431,11 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
 
 
 _ZERO_STAGES = {
-    1: "stage 1 partitions optimizer state across replicas; kmp does not yet, so every replica keeps the "
-       "whole optimizer state",
-    2: "stage 2 partitions gradients and optimizer state; kmp keeps both whole on every replica and "
-       "all-reduces gradients (as stage 0)",
-    3: "stage 3 partitions parameters too; kmp keeps every parameter, gradient and optimizer state on "
-       "every replica (as stage 0)",
+    1: "the optimizer state sharded across the replicas, on kmp.prepare's flat buffers (docs/zero.md)",
+    2: "stage 2 partitions gradients and optimizer state; kmp uses stage 1: the optimizer state is sharded, "
+       "gradients stay whole on every replica",
+    3: "stage 3 partitions parameters too; kmp uses stage 1: the optimizer state is sharded, parameters and "
+       "gradients stay whole on every replica",
 }
 
 
@@ -451,9 +450,9 @@ def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     if not int_in("zero_optimization.stage", stage, 0, problems, high=3, fix="DeepSpeed's stages are 0 to 3."):
         return 0, [], problems
     notes = []
-    if stage:
+    if stage > 1:
         notes.append(f"zero_optimization.stage is {stage}: {_ZERO_STAGES[stage]}. The training is the same; "
-                     "the memory saved is not.")
+                     "the memory saved is less.")
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if isinstance(block.get(k), Mapping) and str(block[k].get("device", "none")).lower() != "none"]
     if block.get("cpu_offload") is True:

@@ -69,6 +69,12 @@ def support(model: keras.Model) -> str | None:
         return f"the inner optimizer clips itself ({own[0]}); kmp's gradient_clipping is applied in the buffers"
     if is_tpu_strategy(model.distribute_strategy):
         return "TPUStrategy compiles the whole step itself"
+    strategy = model.distribute_strategy
+    if getattr(optimizer, "zero_stage", 0) and strategy.num_replicas_in_sync > 1:
+        if getattr(RULES[type(inner)], "per_variable", False):
+            return "ZeRO stage 1 shards the buffers by element, and Lamb's trust ratio needs each variable whole"
+        if len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync:
+            return "ZeRO stage 1 across several workers is not built yet (one process's replicas only)"
     variables = model.trainable_variables
     if not variables:
         return "the model has no trainable variables"
@@ -121,9 +127,14 @@ class FlatBuffers:
             self.mirrors["sums"] = [optimizer.accumulation.sums[position[id(v)]] for v in self.variables]
         self.slot_names = tuple(slots)
         self.hyper = {name: getattr(inner, name) for name in HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
+        # ZeRO stage 1 (kmp.zero): each replica keeps one of N equal shards of every slot buffer.
+        self.replicas = self.strategy.num_replicas_in_sync
+        self.sharded = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
+        self.shard = -(-self.size // self.replicas) if self.sharded else self.size
         with self.strategy.scope():
             self.buffers = {
-                name: tf.Variable(tf.zeros([self.size]), trainable=False, name=f"kmp_flat_{name}")
+                name: tf.Variable(tf.zeros([self.shard if name in self.slot_names else self.size]), trainable=False,
+                                  name=f"kmp_flat_{name}")
                 for name in self.mirrors
             }
         if getattr(self.rule, "per_variable", False):
@@ -192,18 +203,50 @@ class FlatBuffers:
         parameters (benchmarks/p3_fit_path.py's layouts): XLA then copies
         every buffer instead of updating it in place.
         """
+        self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
+
+    def update_shard(self, grad, clip_scale, learning_rate) -> tf.Tensor:
+        """ZeRO stage 1: the step on this replica's shard; returns its new weights (kmp.zero gathers them)."""
+        return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
+
+    def gather_weights(self, shard) -> None:
+        """ZeRO stage 1: every replica's new `shard` -> this replica's whole weights (one all-gather).
+
+        Called on every replica at every step, overflowing or not: a
+        collective cannot sit in a branch some replicas might not take.
+        """
+        whole = tf.distribute.get_replica_context().all_gather(shard, axis=0)
+        self.local("weights").assign(whole[:self.size])
+
+    def weight_shard(self) -> tf.Tensor:
+        """This replica's shard of its weights, as update_shard returns it (zero padded at the end)."""
+        return self._shard_of(self.local("weights").read_value())
+
+    def _update_args(self, grad, clip_scale, learning_rate) -> list:
+        args = [grad, tf.cast(learning_rate, tf.float32)]
+        return args if clip_scale is None else args + [clip_scale]
+
+    def _compiled_update(self):
         replica = fused._replica()[0]
         if replica not in self._updates:
             self._updates[replica] = tf.function(
                 functools.partial(self._update, self.local("weights"),
-                                  tuple(self.local(n) for n in self.slot_names), fused._local(self.inner._iterations)),
+                                  tuple(self.local(n) for n in self.slot_names), fused._local(self.inner._iterations),
+                                  self._offset(replica)),
                 jit_compile=True, autograph=False)
-        args = [grad, tf.cast(learning_rate, tf.float32)]
-        if clip_scale is not None:
-            args.append(clip_scale)
-        self._updates[replica](*args)
+        return self._updates[replica]
 
-    def _update(self, weights, slots, iterations, grad, learning_rate, clip_scale=None):
+    def _offset(self, replica) -> int:
+        """Where this replica's shard starts in the buffer (0 when not sharded)."""
+        return replica[1] * self.shard if self.sharded else 0
+
+    def _shard_of(self, flat, offset=None):
+        """This replica's [offset, offset + shard) of a whole buffer, zeros past its end."""
+        offset = self._offset(fused._replica()[0]) if offset is None else offset
+        part = flat[offset:offset + self.shard]
+        return tf.pad(part, [[0, self.shard - part.shape[0]]]) if part.shape[0] < self.shard else part
+
+    def _update(self, weights, slots, iterations, offset, grad, learning_rate, clip_scale=None):
         h = self.hyper
         step = iterations.read_value()
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
@@ -211,28 +254,36 @@ class FlatBuffers:
         if getattr(self.rule, "per_variable", False):
             s["segments"] = fused._local(self.segment_ids).read_value()
             s["count"] = len(self.sizes)
+        value = old = weights.read_value()
+        if self.sharded:
+            value = old = self._shard_of(value, offset)
+            grad = self._shard_of(grad, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
-        value = old = weights.read_value()
+        index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer
         if self.decayed:
             # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
             decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
-            value = tf.where(tf.range(self.size) < self.decayed, decayed, value)
+            value = tf.where(index < self.decayed, decayed, value)
         if self.missing:
-            keep = self._updated_mask()
+            keep = self._updated_mask(index)
             slots = tuple(_Masked(slot, keep) for slot in slots)
-            weights.assign(tf.where(keep, self.rule.update(s, h, value, grad, slots), old))
+            new = tf.where(keep, self.rule.update(s, h, value, grad, slots), old)
         else:
-            weights.assign(self.rule.update(s, h, value, grad, slots))
+            new = self.rule.update(s, h, value, grad, slots)
         iterations.assign_add(1)
+        if self.sharded:
+            return new  # the new shard: kmp.zero gathers every replica's into the whole weights
+        weights.assign(new)
+        return None
 
-    def _updated_mask(self):
-        """True on the elements of variables that got a gradient (buffer order).
+    def _updated_mask(self, index):
+        """True on the elements (at buffer positions `index`) of variables that got a gradient.
 
         Built from the few runs of variables without one, compared with the
         element index: no constant or index of the buffer's size (see segment_ids).
         """
-        index, keep = tf.range(self.size), tf.ones([self.size], tf.bool)
+        keep = tf.ones(index.shape, tf.bool)
         for start, end in self._missing_runs():
             keep = keep & ((index < start) | (index >= end))
         return keep
@@ -287,19 +338,28 @@ class FlatBuffers:
             copy = self._graphs[direction]
         local = self.strategy.experimental_local_results
         for k in range(len(local(self.buffers["weights"]))):
-            buffers = {n: local(b)[k] for n, b in self.buffers.items()}
+            # A shard's whole buffer is every replica's shard (kmp.zero: all replicas are local).
+            buffers = {n: local(b) if self.sharded and n in self.slot_names else local(b)[k]
+                       for n, b in self.buffers.items()}
             mirrors = {n: [local(_tf_variable(v))[k] for v in vs] for n, vs in self.mirrors.items()}
-            with tf.device(buffers["weights"].device):
-                copy(buffers, mirrors)
+            with tf.device(local(self.buffers["weights"])[k].device):
+                copy(buffers, mirrors, k * self.shard)
 
-    @staticmethod
-    def _load_component(buffers, mirrors):
+    def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            buffer.assign(tf.concat([tf.reshape(v.read_value(), [-1]) for v in mirrors[name]], axis=0))
+            flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in mirrors[name]], axis=0)
+            if isinstance(buffer, tuple | list):  # a shard: this replica's part
+                buffer = buffer[offset // self.shard]
+                flat = self._shard_of(flat, offset)
+            buffer.assign(flat)
 
-    def _store_component(self, buffers, mirrors):
+    def _store_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            for variable, part in zip(mirrors[name], self._parts(buffer.read_value())):
+            if isinstance(buffer, tuple | list):  # the shards, gathered
+                flat = tf.concat([b.read_value() for b in buffer], axis=0)[:self.size]
+            else:
+                flat = buffer.read_value()
+            for variable, part in zip(mirrors[name], self._parts(flat)):
                 variable.assign(part)
 
 

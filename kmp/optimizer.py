@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -83,6 +84,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             update with a one-line note. False: always Keras's update.
         communication: a `kmp.Communication` (all-reduce dtype, bucket size,
             pre-divide factor), or a dict of its fields.
+        zero_stage: 1 shards the optimizer state across the replicas
+            (DeepSpeed's ZeRO stage 1, on kmp.prepare's flat buffers; see
+            docs/zero.md); 0 keeps it whole on every replica.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         communication=None,
         gradient_clipping=None,
         loss_scale=None,
+        zero_stage=0,
         name=None,
         **kwargs,
     ):
@@ -124,6 +129,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             values.int_in("gradient_accumulation_steps", gradient_accumulation_steps, 1, problems)
         if gradient_clipping is not None:
             values.positive("gradient_clipping", gradient_clipping, problems)
+        values.int_in("zero_stage", zero_stage, 0, problems, high=1,
+                      fix="kmp builds ZeRO stage 1 (the optimizer state sharded); stages 2 and 3 are out of scope.")
         check(problems, "kmp.LossScaleOptimizer arguments")
         # Keras's constructor rejects the same arguments as before (dynamic=False,
         # clipnorm on the wrapper, ...): kmp stays a drop-in.
@@ -139,6 +146,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.fused = fused
         self.communication = communication
         self.gradient_clipping = values.plain(gradient_clipping)
+        self.zero_stage = values.plain(zero_stage)
+        self._zero_noted = False
         # kmp's own accumulation. Keras's `gradient_accumulation_steps`
         # attribute stays None: Keras would otherwise accumulate by itself.
         steps = values.plain(gradient_accumulation_steps)
@@ -189,6 +198,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         wall_clock.stamp("gradients", grads)
+        if self.zero_stage and tf.distribute.get_strategy().num_replicas_in_sync > 1 and not self._zero_noted:
+            self._zero_noted = True  # once per optimizer
+            warnings.warn("kmp: zero_stage=1 shards the optimizer state on kmp.prepare(model)'s flat buffers; this "
+                          "step updates per variable (kmp.prepare was not called, or its log line says why the "
+                          "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
+                          stacklevel=2)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         scale = self.dynamic_scale.value
         # Every micro-batch of a window is scaled by the same scale: it only
@@ -285,7 +300,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
         wall_clock.stamp("checked", [finite, clip])
-        ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
+        if buffers.sharded:
+            # ZeRO stage 1 (kmp.flat): this replica updates its shard; the weights are gathered whole after.
+            shard = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
+            buffers.gather_weights(shard)
+        else:
+            ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         wall_clock.stamp("updated", buffers.local("weights"))
         variables = self._trainable_variables
         # Which variables overflowed, for the log line: computed on an overflow only.
@@ -369,6 +389,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config["gradient_accumulation_steps"] = None if self.accumulation is None else self.accumulation.initial_steps
         config["gradient_clipping"] = self.gradient_clipping
         config["fused"] = self.fused
+        config["zero_stage"] = self.zero_stage
         config["communication"] = dataclasses.asdict(self.communication)
         return config
 

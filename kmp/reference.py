@@ -62,7 +62,7 @@ def reference() -> str:
     out += ["", "### `zero_optimization`", "", "| stage | what kmp does |", "| --- | --- |",
             "| 0 | data parallel, everything whole on every replica (DeepSpeed's stage 0) |"]
     for stage, text in deepspeed._ZERO_STAGES.items():
-        out.append(f"| {stage} | {text} (a warning says so) |")
+        out.append(f"| {stage} | {text}{' (a warning says so)' * (stage > 1)} |")
     out += ["", "### Keys DeepSpeed reads that kmp does not act on (one warning names them)", ""]
     for level, keys in deepspeed._IGNORED.items():
         where = f"`{level}` block" if level else "top level"

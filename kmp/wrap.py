@@ -45,7 +45,7 @@ from kmp.precision import Precision, resolve_precision
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
 _TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "micro_batch_size",
-               "wall_clock_breakdown", "steps_per_print")
+               "wall_clock_breakdown", "steps_per_print", "zero_stage")
 _OPTIMIZER_FIELDS = ("log_overflows", "fused", "communication")
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -71,7 +71,9 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
             `gradient_accumulation_steps`, `train_batch_size`,
             `micro_batch_size` (these also fill "auto" values),
             `wall_clock_breakdown` and `steps_per_print` (DeepSpeed's
-            timers, applied by `kmp.prepare(model)`: kmp.wall_clock).
+            timers, applied by `kmp.prepare(model)`: kmp.wall_clock),
+            `zero_stage=1` (the optimizer state sharded across replicas on
+            kmp.prepare's flat buffers: docs/zero.md).
 
     Batch sizes (`train_batch_size`, `train_micro_batch_size_per_gpu`,
     `gradient_accumulation_steps`) are completed and checked as DeepSpeed
@@ -102,6 +104,8 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
     if steps is not None:
         extra["gradient_accumulation_steps"] = steps
     extra.setdefault("communication", settings.communication())
+    if settings.zero_stage:
+        extra["zero_stage"] = 1  # stages 2 and 3 load as stage 1 (kmp.deepspeed says so)
     if chosen.needs_loss_scaling:
         wrapped = LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
     elif replicas > 1 or steps is not None:

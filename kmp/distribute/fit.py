@@ -254,7 +254,8 @@ def flat_reason(model) -> str | None:
     if model.run_eagerly:
         return "run_eagerly=True (the buffers' step is compiled)"
     reason = flat.support(model)
-    if setting == "auto" and reason is None:
+    sharding = getattr(model.optimizer, "zero_stage", 0) and model.distribute_strategy.num_replicas_in_sync > 1
+    if setting == "auto" and reason is None and not sharding:  # ZeRO stage 1 needs the buffers
         sizes = flat.sizes(model.trainable_variables)
         mean = sum(sizes) // len(sizes)
         if mean > AUTO_MEAN_PARAMETERS:
