@@ -1,0 +1,199 @@
+"""ZeRO stage 1 on the flat buffers (kmp.flat): the optimizer state in shards, the same training.
+
+Each test trains the same model from the same seed on the flat-buffer
+engine under MirroredStrategy on two logical CPUs, at `zero_stage=0` and
+`zero_stage=1`, and compares: the update math is the same element by
+element, so weights, slots and the loss-scale state agree bit for bit.
+"""
+
+import logging
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import engine
+from test_engine import _WithUnused, _data, _Interrupt, _model, _raw, _trained
+
+
+def _pair(two_replicas, optimizer="adamw", epochs=2, policy="float32", **wrap_args):
+    """The same run at stage 0 and stage 1: (models, loss histories)."""
+    keras.config.set_dtype_policy(policy)
+    runs = [_trained(True, two_replicas, optimizer, epochs=epochs, wrap_args={**wrap_args, "zero_stage": stage})
+            for stage in (0, 1)]
+    return [m for m, _ in runs], [h["loss"] for _, h in runs]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("optimizer, wrap_args", [
+    ("adamw", {}),  # weight decay: a prefix of the buffer, split across the shards
+    ("sgd", {"gradient_accumulation_steps": 3}),
+    ("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
+    ("lion", {}),
+    ("adagrad", {}),
+])
+def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
+    (whole, sharded), (whole_loss, sharded_loss) = _pair(two_replicas, optimizer, **wrap_args)
+    buffers = engine.engine_of(sharded).buffers
+    assert buffers.sharded and not engine.engine_of(whole).buffers.sharded
+    local = two_replicas.experimental_local_results
+    # 161 parameters: two shards of 81, the second padded by one.
+    for name, variable in buffers.buffers.items():
+        expected = [81] if name in buffers.slot_names else [161]
+        assert [c.shape.as_list() for c in local(variable)] == [expected, expected], name
+    _assert_same(_raw(whole), _raw(sharded))  # weights, and the slots gathered back into Keras's variables
+    assert whole_loss == sharded_loss
+
+
+def test_a_hundred_steps_in_float32(two_replicas):
+    # The issue's bar is 1e-6 relative after 100 steps; the math is the same, so it is exact.
+    (whole, sharded), _ = _pair(two_replicas, "adamw", epochs=17)  # 6 steps an epoch
+    assert sharded.optimizer.iterations.numpy() == 102
+    _assert_same(_raw(whole), _raw(sharded))
+
+
+def test_overflows_skip_on_every_shard_and_the_scale_moves_the_same(two_replicas):
+    x, y = _data()
+    x[9] = 1e5  # overflows float16 on replica 0 only
+    keras.config.set_dtype_policy("mixed_float16")
+    runs = []
+    for stage in (0, 1):
+        model = kmp.prepare(_model(two_replicas, "adam", zero_stage=stage, initial_scale=2.0**20), flat_buffers=True)
+        scales = []
+        trace = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda b, logs, m=model: scales.append(float(m.optimizer.dynamic_scale.numpy())))
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[trace])
+        runs.append((model, scales))
+    (whole, whole_scales), (sharded, sharded_scales) = runs
+    assert sharded.optimizer.skipped_steps.numpy() == whole.optimizer.skipped_steps.numpy() >= 2
+    assert sharded_scales == whole_scales and len(set(sharded_scales)) > 1
+    assert all(np.isfinite(w).all() for w in sharded.get_weights())
+    _assert_same(_raw(whole), _raw(sharded))
+
+
+def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas):
+    runs = []
+    for stage in (0, 1):
+        keras.utils.set_random_seed(0)
+        with two_replicas.scope():
+            model = _WithUnused()
+            model(np.zeros((1, 6), "float32"))
+            model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+                                                           zero_stage=stage), loss="mse")
+        initial = np.array(model.unused.kernel)
+        kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert engine.engine_of(model).buffers.sharded == bool(stage)
+        np.testing.assert_array_equal(np.array(model.unused.kernel), initial)
+        runs.append(_raw(model))
+    _assert_same(*runs)
+
+
+# --- Checkpoints hold the whole state ----------------------------------------------
+
+
+def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_path, two_replicas):
+    (whole, sharded), _ = _pair(two_replicas, "adam")
+    sharded.save(tmp_path / "sharded.keras")
+    # On one device: the whole optimizer state, as the unsharded run holds it.
+    one = keras.models.load_model(tmp_path / "sharded.keras")
+    assert one.optimizer.zero_stage == 1  # kept: on one replica there is one shard, the whole
+    _assert_same(_raw(whole), _raw(one))
+    # And back: saved on one device, resumed on two replicas at stage 1 exactly as at stage 0.
+    keras.config.set_dtype_policy("float32")
+    for stage in (0, 1):
+        model, _ = _trained(True, None, "adam", epochs=1, wrap_args={"zero_stage": stage})
+        model.save(tmp_path / f"one_{stage}.keras")
+    continued = []
+    for stage in (0, 1):
+        with two_replicas.scope():
+            model = keras.models.load_model(tmp_path / f"one_{stage}.keras")
+        kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert engine.engine_of(model).buffers.sharded == bool(stage)
+        continued.append(_raw(model))
+    _assert_same(*continued)
+
+
+def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas):
+    (_, sharded), _ = _pair(two_replicas, "adam", epochs=1)
+    path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
+    restored = _model(two_replicas, "adam", zero_stage=1)
+    with two_replicas.scope():
+        restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path).assert_existing_objects_matched()
+    _assert_same(_raw(sharded), _raw(restored))
+    # The shards are loaded from the restored variables before the next step: both go on alike.
+    for model in (sharded, restored):
+        kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_same(_raw(sharded), _raw(restored))
+
+
+def test_kmp_backup_resumes_exactly_at_stage_1(tmp_path, two_replicas):
+    from kmp.backup import BackupAndRestore
+
+    def job(directory, interrupt=False):
+        model = kmp.prepare(_model(two_replicas, "adam", gradient_accumulation_steps=2, zero_stage=1),
+                            flat_buffers=True)
+        callbacks = [BackupAndRestore(str(directory), save_freq=3)] + ([_Interrupt()] if interrupt else [])
+        try:
+            model.fit(*_data(), batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        except KeyboardInterrupt:
+            return None
+        assert engine.engine_of(model).buffers.sharded
+        return _raw(model)
+
+    whole = job(tmp_path / "whole")
+    assert job(tmp_path / "cut", interrupt=True) is None
+    _assert_same(whole, job(tmp_path / "cut"))
+
+
+# --- Settings, and where stage 1 does not apply -----------------------------------------
+
+
+def test_wrap_and_a_deepspeed_config_turn_it_on(two_replicas):
+    with two_replicas.scope():
+        assert kmp.wrap(keras.optimizers.Adam(), zero_stage=1, precision="bf16").zero_stage == 1
+        assert kmp.wrap(keras.optimizers.Adam(), {"zero_optimization": {"stage": 1}}, precision="fp16").zero_stage == 1
+        with pytest.warns(UserWarning, match="kmp uses stage 1"):
+            assert kmp.wrap(keras.optimizers.Adam(), {"zero_optimization": {"stage": 3}},
+                            precision="fp16").zero_stage == 1
+        assert kmp.wrap(keras.optimizers.Adam(), precision="fp16").zero_stage == 0
+    config = kmp.LossScaleOptimizer(keras.optimizers.Adam(), zero_stage=1).get_config()
+    assert kmp.LossScaleOptimizer.from_config(config).zero_stage == 1
+
+
+@pytest.mark.parametrize("stage", [2, -1, True, 1.0, "1"])
+def test_the_optimizer_takes_stage_0_or_1(stage):
+    with pytest.raises(kmp.ConfigError, match=r"zero_stage: expected an integer from 0 to 1.*Received: "
+                                              r"zero_stage=.*kmp builds ZeRO stage 1"):
+        kmp.LossScaleOptimizer(keras.optimizers.Adam(), zero_stage=stage)
+
+
+def test_without_the_flat_buffers_it_says_the_state_stays_whole(two_replicas):
+    keras.config.set_dtype_policy("float32")
+    with pytest.warns(UserWarning, match="every replica keeps the whole optimizer state") as record:
+        model = _model(two_replicas, "adam", zero_stage=1)  # not prepared
+        model.fit(*_data(), batch_size=8, epochs=2, verbose=0)
+    assert len([r for r in record if "zero_stage=1" in str(r.message)]) == 1  # once
+
+
+def test_lamb_keeps_whole_variables_and_says_why(two_replicas, caplog):
+    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, logs = _trained(True, two_replicas, "lamb", epochs=1, wrap_args={"zero_stage": 1})
+    assert engine.engine_of(model) is None
+    assert "Lamb's trust ratio needs each variable whole" in caplog.text
+    assert np.isfinite(logs["loss"]).all()
+
+
+def test_one_device_has_one_shard(two_replicas):
+    model, _ = _trained(True, None, "adam", epochs=1, wrap_args={"zero_stage": 1})
+    buffers = engine.engine_of(model).buffers
+    assert not buffers.sharded and buffers.shard == buffers.size
