@@ -62,8 +62,8 @@ def settings(model) -> Setup:
 
 
 def _zero_settings(optimizer) -> tuple[int, str]:
-    """(ZeRO stage, state type) of an optimizer. Issue 13's stage 1 and 8-bit states: read them here once built."""
-    return 0, "32bit"
+    """(ZeRO stage, state type) of an optimizer (8-bit states are not built yet)."""
+    return getattr(optimizer, "zero_stage", 0), "32bit"
 
 
 def _flat_in_use(model) -> bool:

@@ -431,11 +431,12 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
 
 
 _ZERO_STAGES = {
-    1: "the optimizer state sharded across the replicas, on kmp.prepare's flat buffers (docs/zero.md)",
-    2: "stage 2 partitions gradients and optimizer state; kmp uses stage 1: the optimizer state is sharded, "
-       "gradients stay whole on every replica",
-    3: "stage 3 partitions parameters too; kmp uses stage 1: the optimizer state is sharded, parameters and "
-       "gradients stay whole on every replica",
+    1: "the flat buffers' optimizer slots sharded across the replicas (kmp.prepare; Keras's slot variables stay "
+       "whole: docs/zero.md)",
+    2: "stage 2 partitions gradients and optimizer state; kmp uses stage 1 (docs/zero.md): gradients stay whole on "
+       "every replica",
+    3: "stage 3 partitions parameters too; kmp uses stage 1 (docs/zero.md): parameters and gradients stay whole on "
+       "every replica",
 }
 
 

@@ -13,12 +13,14 @@ N replicas:
     weights          P*b + the non-trainable variables (BatchNorm statistics, seeds), as the model holds them
     gradients        P*b      transient, in no variable: one gradient (the engine's is one flat float32
                               tensor; per-variable, one tensor per variable); a step may briefly hold two
-    optimizer_state  k*P*b    stage 1: k*ceil(P/N)*b. 8-bit: per slot 1 byte per parameter and one
-                              float32 scale per BLOCK_SIZE of them (of the shard, at stage 1)
+    optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole at any stage. 8-bit
+                              (not built yet): per slot 1 byte per parameter and one float32 scale per
+                              BLOCK_SIZE of them
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
                               the window closes)
-    flat_copies      4*P + optimizer_state + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer engine's second copy
-                     (kmp.flat, "Memory"); its weights stay whole at stage 1 (the forward pass reads them)
+    flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
+                     engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
+                     slots sharded; its weights stay whole: the forward pass reads them)
     scalars          step counters, learning rate, loss-scale state, accumulation counters (and metric totals)
 
 DeepSpeed (deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py at
@@ -29,8 +31,11 @@ f4cb866c, DeepSpeed #5099, 2024; stage3.py: 4 * largest layer + 18P/N). kmp
 keeps no 16-bit copy, and its float32 masters are the Keras variables, which
 no stage shards: Adam at stage 0 is 4 + 4 + 8 = 16 bytes per parameter.
 
-Stage 1 and 8-bit states are modelled before they are built (issue 13):
-kmp.allocation._zero_settings will read them from an optimizer. 8-bit states
+Stage 1 shards the state the step updates, the flat buffers' slots
+(kmp.flat); Keras's slot variables stay whole on every replica as the
+observable copy (saved, read by callbacks), so per replica the optimizer
+state is k*P*b + k*4*ceil(P/N), not k*4*ceil(P/N) as in DeepSpeed (issue 13
+is open on that). 8-bit states are modelled before they are built. 8-bit states
 as bitsandbytes keeps them (bitsandbytes-foundation/bitsandbytes
 bitsandbytes/optim/optimizer.py at 95f9af30: uint8 moments, one float32
 absmax per block of 256; 2048 before aa57bd89, 2024), in blocks over the
@@ -188,11 +193,15 @@ def estimates(parameters, **settings) -> list[MemoryEstimate]:
 
 def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
     p, n = s.parameters, s.replicas
-    shard = p if s.stage == 0 else -(-p // n)  # stage 1: the buffer padded to N equal shards
+    # Stage 1 shards the flat buffers' slots (kmp.flat), padded to N equal shards; Lamb and the
+    # per-variable path keep them whole. Keras's slot variables stay whole on every replica.
+    sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb"
+    shard = -(-p // n) if sharded else p
     if s.states == "8bit":
-        state = s.slots * (shard + 4 * -(-shard // block_size))
+        state = s.slots * (p + 4 * -(-p // block_size))
+        flat_state = s.slots * (shard + 4 * -(-shard // block_size))
     else:
-        state = s.slots * (s.parameter_bytes if s.stage == 0 else shard * (s.parameter_bytes // max(p, 1)))
+        state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     sums = 4 * p * s.accumulating
     scalars = s.scalars
     if scalars is None:  # as kmp.wrap builds the optimizer: kmp's for float16, replicas, accumulation, the engine
@@ -201,7 +210,8 @@ def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
     return MemoryEstimate(
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
-        accumulators=sums + s.other_sums, flat_copies=(4 * p + state + sums + 4 * p * (s.optimizer == "lamb")) * s.flat_buffers,
+        accumulators=sums + s.other_sums,
+        flat_copies=(4 * p + flat_state + sums + 4 * p * (s.optimizer == "lamb")) * s.flat_buffers,
         scalars=scalars + ACCUMULATION_SCALARS * s.accumulating, parameters=p, optimizer=s.optimizer,
         precision=s.precision, replicas=n, stage=s.stage, states=s.states,
         gradient_accumulation_steps=s.gradient_accumulation_steps, flat_buffers=s.flat_buffers)

@@ -3,9 +3,9 @@
 The model-mode cases train a real compiled model for a few steps (so the
 optimizer, the metrics and, when on, the flat-buffer engine are built), then
 compare the estimate with the variables' bytes on every replica device, byte
-for byte. What exists today is checked: stage 0 and 32-bit states. ZeRO
-stage 1 and 8-bit states are checked here only as arithmetic (parameter-count
-mode); their allocation checks go in CHECKS_TO_ADD_WITH_STAGE_1_AND_8_BIT.
+for byte: stages 0 and 1, 32-bit states. 8-bit states are checked here only
+as arithmetic (parameter-count mode); their allocation checks go in
+CHECKS_TO_ADD_WITH_8_BIT.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PARAMETERS = 8 * 16 + 16 + 2 * 16 + 16 * 3 + 3  # 227 trainable
 NON_TRAINABLE = 2 * 16 * 4 + 2 * 8  # BatchNorm's moving mean and variance (float32), Dropout's int64 seed state
 
 
-def _trained_model(strategy, precision, optimizer, accumulation, flat_buffers):
+def _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage=0):
     keras.utils.set_random_seed(0)
     with kmp.precision_scope(precision), strategy.scope():
         inputs = keras.Input((8,))
@@ -41,6 +41,7 @@ def _trained_model(strategy, precision, optimizer, accumulation, flat_buffers):
         hidden = keras.layers.Dropout(0.1)(keras.layers.BatchNormalization()(hidden))
         model = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(3)(hidden)))
         extra = {} if accumulation is None else {"gradient_accumulation_steps": accumulation}
+        extra.update({"zero_stage": stage} if stage else {})
         model.compile(optimizer=kmp.wrap(optimizer(), **extra), loss="mse", metrics=["mae"])
     if flat_buffers is not None:
         kmp.prepare(model, flat_buffers=flat_buffers)
@@ -50,23 +51,28 @@ def _trained_model(strategy, precision, optimizer, accumulation, flat_buffers):
     return model, before
 
 
-# (replicas, precision, optimizer, gradient_accumulation_steps, flat_buffers): None = no kmp.prepare / no accumulation.
+# (replicas, precision, optimizer, gradient_accumulation_steps, flat_buffers, ZeRO stage): None = no kmp.prepare
+# / no accumulation.
 CASES = [
-    pytest.param(1, "float32", lambda: keras.optimizers.SGD(0.01, momentum=0.9), None, None, id="1-fp32-sgd-plain"),
-    pytest.param(1, "mixed_float16", lambda: keras.optimizers.Adam(1e-3), 2, True, id="1-fp16-adam-acc-flat"),
-    pytest.param(2, "mixed_float16", lambda: keras.optimizers.AdamW(1e-3), None, True, id="2-fp16-adamw-flat"),
-    pytest.param(2, "float32", lambda: keras.optimizers.Adam(1e-3), 2, False, id="2-fp32-adam-acc"),
-    pytest.param(1, "mixed_float16", lambda: keras.optimizers.Lamb(1e-3), None, True, id="1-fp16-lamb-flat"),
+    pytest.param(1, "float32", lambda: keras.optimizers.SGD(0.01, momentum=0.9), None, None, 0, id="1-fp32-sgd-plain"),
+    pytest.param(1, "mixed_float16", lambda: keras.optimizers.Adam(1e-3), 2, True, 0, id="1-fp16-adam-acc-flat"),
+    pytest.param(2, "mixed_float16", lambda: keras.optimizers.AdamW(1e-3), None, True, 0, id="2-fp16-adamw-flat"),
+    pytest.param(2, "float32", lambda: keras.optimizers.Adam(1e-3), 2, False, 0, id="2-fp32-adam-acc"),
+    pytest.param(1, "mixed_float16", lambda: keras.optimizers.Lamb(1e-3), None, True, 0, id="1-fp16-lamb-flat"),
+    pytest.param(2, "mixed_float16", lambda: keras.optimizers.AdamW(1e-3), None, True, 1, id="2-fp16-adamw-flat-zero1"),
+    pytest.param(2, "float32", lambda: keras.optimizers.SGD(0.01, momentum=0.9), 2, True, 1,
+                 id="2-fp32-sgd-acc-flat-zero1"),
 ]
 
 
-@pytest.mark.parametrize("replicas, precision, optimizer, accumulation, flat_buffers", CASES)
+@pytest.mark.parametrize("replicas, precision, optimizer, accumulation, flat_buffers, stage", CASES)
 def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimizer, accumulation, flat_buffers,
-                                                     request):
+                                                     stage, request):
     import tensorflow as tf
 
     strategy = request.getfixturevalue("two_replicas") if replicas == 2 else tf.distribute.get_strategy()
-    model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers)
+    model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage)
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.sharded == bool(stage)
     assert (engine.engine_of(model) is not None) == bool(flat_buffers)  # the path the case names ran
     estimate = kmp.memory_estimate(model)
     measured = kmp.measured_bytes(model)
@@ -80,20 +86,21 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     assert (estimate.parameters, estimate.replicas, estimate.precision) == (PARAMETERS, replicas, precision)
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
-    assert (estimate.optimizer_state, estimate.accumulators) == (4 * slots * PARAMETERS, sums)
-    assert estimate.flat_copies == (4 * PARAMETERS * (1 + slots) + sums + segment_ids if flat_buffers else 0)
+    shard = -(-PARAMETERS // 2) if stage else PARAMETERS  # 114 of 227: the flat slots' shard
+    assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, 4 * slots * PARAMETERS, sums)
+    assert estimate.flat_copies == (4 * PARAMETERS + 4 * slots * shard + sums + segment_ids if flat_buffers else 0)
     # Before the first fit, from kmp.prepare's setting: the same, but the metrics' totals (built by fit).
     assert dataclasses.replace(before, scalars=0) == dataclasses.replace(estimate, scalars=0)
     assert estimate.scalars - before.scalars == 2 * 4  # mae's total and count (the loss tracker's exist before)
-    # Asked of this model: stage 1 on its replicas divides the state (the allocation check waits for stage 1).
-    sharded = kmp.memory_estimate(model, stage=1, replicas=2)
-    assert sharded.optimizer_state == 4 * slots * -(-PARAMETERS // 2)
+    # Asked of this model: stage 1 on eight replicas shards the flat slots (when the buffers are on).
+    sharded = kmp.memory_estimate(model, stage=1, replicas=8)
+    eighth = -(-PARAMETERS // 8) if flat_buffers and estimate.optimizer != "lamb" else PARAMETERS
+    assert sharded.flat_copies == estimate.flat_copies - 4 * slots * (shard - eighth) * bool(flat_buffers)
 
 
-# CHECKS_TO_ADD_WITH_STAGE_1_AND_8_BIT: when issue 13's ZeRO stage 1 and 8-bit states exist, add CASES that
-# build them (kmp.allocation._zero_settings then reads them from the optimizer), so the test above compares
-# their estimate with their allocation on each replica: stage 1 on the two logical CPUs (optimizer state
-# and the flat slot copies = 1/2), 8-bit Adam/AdamW states with and without stage 1.
+# CHECKS_TO_ADD_WITH_8_BIT: when issue 13's 8-bit states exist, add CASES that build them
+# (kmp.allocation._zero_settings then reads them from the optimizer), so the test above compares their
+# estimate with their allocation on each replica, with and without stage 1.
 
 
 def test_a_model_with_keras_own_loss_scale_optimizer_and_a_schedule():
@@ -125,13 +132,19 @@ def test_adam_in_mixed_precision_is_16_bytes_per_parameter_as_4_4_8():
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 8])
-def test_stage_1_divides_the_optimizer_state_and_the_flat_slot_copies(replicas):
+def test_stage_1_divides_the_flat_slot_copies(replicas):
     n = 1001  # not divisible: each shard is ceil(n / replicas)
     shard = -(-n // replicas)
     zero = kmp.memory_estimate(n, replicas=replicas, flat_buffers=True)
     one = kmp.memory_estimate(n, replicas=replicas, stage=1, flat_buffers=True)
-    assert zero.optimizer_state == 8 * n and one.optimizer_state == 8 * shard
+    # Keras's slot variables stay whole (the observable copy); the flat slots the step updates are sharded.
+    assert zero.optimizer_state == one.optimizer_state == 8 * n
     assert zero.flat_copies == 4 * n + 8 * n and one.flat_copies == 4 * n + 8 * shard  # the weights stay whole
+    # Without the buffers, and with Lamb, nothing is sharded (kmp says so when it trains).
+    assert kmp.memory_estimate(n, replicas=replicas, stage=1) == dataclasses.replace(
+        kmp.memory_estimate(n, replicas=replicas), stage=1)
+    lamb = kmp.memory_estimate(n, optimizer="lamb", replicas=replicas, stage=1, flat_buffers=True)
+    assert lamb.flat_copies == 4 * n + 8 * n + 4 * n
     assert (one.weights, one.gradients) == (zero.weights, zero.gradients) == (4 * n, 4 * n)
 
 
@@ -141,8 +154,8 @@ def test_8bit_states_are_a_byte_per_moment_and_a_scale_per_block():
     assert e.optimizer_state == 2 * (P + 4 * blocks)
     shard = P // 8
     e = kmp.memory_estimate(P, states="8bit", stage=1, replicas=8, flat_buffers=True)
-    assert e.optimizer_state == 2 * (shard + 4 * -(-shard // 256))
-    assert e.flat_copies == 4 * P + e.optimizer_state
+    assert e.optimizer_state == 2 * (P + 4 * blocks)
+    assert e.flat_copies == 4 * P + 2 * (shard + 4 * -(-shard // 256))
     assert kmp.memory_estimate(P, optimizer="adamw", states="8bit", block_size=2048).optimizer_state == (
         2 * (P + 4 * -(-P // 2048)))
 
@@ -215,8 +228,8 @@ def test_the_table_says_shared_settings_once_and_one_row_per_setting():
     assert lines[2] == "Model with 125M parameters; adam, mixed_float16, 32bit, accumulation=1, flat_buffers=off."
     assert [line.split(" | ")[-1] for line in lines[4:]] == [
         "replicas=1, stage=0", "replicas=1, stage=1", "replicas=8, stage=0", "replicas=8, stage=1"]
-    assert lines[7].split(" | ")[0].strip() == "1.05 GiB"  # 4P + 4P + 8P/8 + 68 bytes
-    assert str(rows[3]).splitlines()[-1].split() == ["total", "1.05", "GiB"]
+    assert lines[7].split(" | ")[0].strip() == "1.86 GiB"  # 4P + 4P + 8P + 68 bytes: no buffers, nothing sharded
+    assert str(rows[3]).splitlines()[-1].split() == ["total", "1.86", "GiB"]
 
 
 def test_kmp_memory_prints_the_table_and_json(capsys):
@@ -259,5 +272,5 @@ def test_the_docs_table_is_what_kmp_computes():
         e = kmp.memory_estimate(P, **settings)
         assert (state, per_variable) == (memory._size(e.optimizer_state), memory._size(e.total)), row
         assert flat == memory._size(kmp.memory_estimate(P, flat_buffers=True, **settings).total), row
-        built = settings["stage"] == 0 and settings["states"] == "32bit"
+        built = settings["states"] == "32bit"
         assert status == ("tested" if built else "estimate: not built yet"), row
