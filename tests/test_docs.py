@@ -390,6 +390,8 @@ TEXT_CHECKS = {
 
 # The first line of a block that is not checked -> why.
 NOT_RUN = {
+    "grad = this replica's flat float32 gradient                 (forward/backward, XLA)":
+        "pseudo-code of one step at ZeRO stage 1",
     "grads  = float32(local gradients) / scale   # unscale first, on each replica":
         "pseudo-code of one optimizer step",
     "on an overflow:                        # the step is always skipped":
