@@ -1,0 +1,126 @@
+"""Block-wise 8-bit quantization of flat float32 optimizer moments, as bitsandbytes stores 8-bit Adam states.
+
+Why: Adam keeps two float32 moments per weight, 8 bytes a weight. Stored as one uint8 code index per element plus
+one float32 scale per block of 256, they take 1 + 4/256 bytes per element per moment instead of 4 (about 3.9x less).
+Each block is scaled by its own largest magnitude (absmax), so one outlier costs precision in its block only.
+
+The code book is bitsandbytes' dynamic ("tree") map: a decimal exponent picks one of seven decades (1e-7..1) and the
+remaining bits a linear fraction inside it, so small moments keep their relative precision. 8-bit Adam quantizes
+the first moment with the signed map and the second (never negative) with the unsigned one, block size 256.
+
+Read from bitsandbytes-foundation/bitsandbytes at commit 95f9af309d4d5793847169c39288dcd3fcbdf564:
+- bitsandbytes/functional.py: create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8),
+  quantize_blockwise / dequantize_blockwise (which call the kernels below);
+- bitsandbytes/backends/default/ops.py: the reference kernels, scaled = clamp(x / absmax, -1, 1), then
+  bucketize(scaled, (code[:-1] + code[1:]) / 2) (ties to the lower code), and code[q] * absmax to decode;
+- bitsandbytes/optim/optimizer.py: Optimizer2State gives state1 the "dynamic" map (signed=True), state2 the
+  "udynamic" map (signed=False), blocksize 256, ceil(n / 256) absmax values per state;
+- csrc/kernels.cu: the fused 8-bit blockwise optimizer kernel re-quantizes the states after each update.
+
+Where this differs from bitsandbytes, on purpose:
+- q is the index of the exactly nearest code value to the float32 quotient x / absmax (ties to the lower index):
+  the midpoints are the exact ones rounded down to float32, which makes the float32 comparison exact.
+  bitsandbytes rounds its float32 midpoints to nearest, so a quotient within one ulp of a midpoint can differ.
+- tf.searchsorted is not used: under XLA, TensorFlow lowers it to an n x 255 comparison matrix (1 KB per element,
+  seen in the optimized HLO). An 8-step branchless binary search does the same lower-bound search in O(8 n).
+- A block whose absmax is 0 or subnormal (below 2**-126) stores absmax 0 and decodes to exact zeros, never NaN
+  (bitsandbytes' reference kernel divides by max(absmax, 1e-38)). TensorFlow on CPU flushes subnormals anyway;
+  deciding it here gives the same result where they are not flushed.
+- That CUDA kernel also moves a state1 code whose sign differs from the value's (a small negative rounded to the
+  code 0) one step outwards. quantize does not: it is a plain nearest-value map.
+- The map's values come from the source's float32 operations as written (torch.linspace's CPU kernel, the mean, the
+  decade scale). A torch build that fuses linspace's multiply-add (FMA) gets about 40 values one ulp apart.
+
+Non-finite input: a block holding inf or NaN gets absmax NaN and decodes to NaN throughout (its q bytes are
+meaningless); other blocks are unaffected. The optimizer skips overflowing steps, so it never stores such a block.
+Values outside the map's range (negatives with the unsigned map) take the nearest end code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import tensorflow as tf
+
+BLOCK_SIZE = 256
+_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
+
+
+def _linspace32(start: float, end: float, steps: int) -> np.ndarray:
+    # torch.linspace's CPU kernel in float32 arithmetic: the first half counts up from start, the rest down from end.
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float32((end32 - start32) / np.float32(steps - 1))
+    return np.array([start32 + step * np.float32(i) if i < steps // 2 else end32 - step * np.float32(steps - 1 - i)
+                     for i in range(steps)], np.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _dynamic_map(signed: bool) -> np.ndarray:
+    values = [np.float32(0.0), np.float32(1.0)]
+    for i in range(7):  # max_exponent_bits = 7 decades, 10**-6 .. 10**0 times fractions in [0.1, 1]
+        # With the sign bit taken, the signed map has half as many fractions per decade.
+        bounds = _linspace32(0.1, 1.0, 2 ** i + 1 if signed else 2 ** (i + 1) + 1)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2.0)
+        scale = np.float32(10.0 ** (i - 6))
+        values += list(scale * means) + (list(-scale * means) if signed else [])
+    assert len(values) == 256  # total_bits = 8 leaves no extra items (additional_items == 0)
+    return np.sort(np.array(values, np.float32))
+
+
+def dynamic_map(signed: bool) -> np.ndarray:
+    """The 256 float32 values of bitsandbytes' create_dynamic_map(signed=signed), sorted ascending."""
+    return _dynamic_map(bool(signed)).copy()
+
+
+def _lower_midpoints(code) -> np.ndarray:
+    """The 255 midpoints of neighbouring code values, each rounded down to float32, then +inf: 256 entries.
+
+    For a float32 v, v <= m exactly iff v <= (m rounded down), so comparing float32 values to these is exact.
+    """
+    code = tf.get_static_value(code) if tf.is_tensor(code) else code
+    code = np.asarray(code, np.float32) if code is not None else None
+    if code is None or code.shape != (256,) or not np.all(np.isfinite(code)) or not np.all(np.diff(code) > 0):
+        raise ValueError("code must be 256 finite float32 values, strictly increasing, known when tracing.")
+    low, high = np.abs(code[:-1]), np.abs(code[1:])
+    if not np.all((np.minimum(low, high) == 0) | (np.maximum(low, high) < 2.0 ** 27 * np.minimum(low, high))):
+        raise ValueError("code has neighbours over 2**27 apart: their float64 midpoint would not be exact.")
+    exact = (code[:-1].astype(np.float64) + code[1:]) / 2.0  # exact: 24-bit significands within 2**27 of each other
+    mid = exact.astype(np.float32)
+    mid = np.where(mid > exact, np.nextafter(mid, np.float32(-np.inf)), mid)
+    return np.append(mid, np.float32(np.inf))
+
+
+def _blocks(x: tf.Tensor, block_size: int) -> tuple[tf.Tensor, int]:
+    """x (static length n) padded with zeros to whole blocks, as [ceil(n / block_size), block_size]."""
+    n = x.shape[0] if x.shape.rank == 1 else None
+    if n is None or n < 1 or block_size < 1:
+        raise ValueError(f"Need a 1-D tensor of static length >= 1 and block_size >= 1, got {x.shape}, {block_size}.")
+    blocks = math.ceil(n / block_size)
+    return tf.reshape(tf.pad(x, [[0, blocks * block_size - n]]), [blocks, block_size]), n
+
+
+def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tensor]:
+    """x float32 [n] -> (q uint8 [n], absmax float32 [ceil(n / block_size)]): q indexes code nearest x / absmax."""
+    x = tf.convert_to_tensor(x, tf.float32)
+    mid = tf.constant(_lower_midpoints(code))
+    xb, n = _blocks(x, block_size)
+    absmax = tf.reduce_max(tf.abs(xb), axis=1)
+    absmax = tf.where(absmax >= _TINY, absmax, 0.0)  # 0 or subnormal: stored as a zero block
+    # Said explicitly: XLA's reduce_max on CPU drops NaN (eager keeps it), and a block must not look finite.
+    absmax = tf.where(tf.reduce_all(tf.math.is_finite(xb), axis=1), absmax, np.nan)
+    v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]  # a zero block stays 0, not 0 / 0
+    # q = #{midpoints < v}, the lower bound, by a branchless binary search over the 256 sorted entries.
+    q = tf.zeros(tf.shape(v), tf.int32)
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        q = tf.where(tf.gather(mid, q + (step - 1)) < v, q + step, q)
+    return tf.cast(tf.reshape(q, [-1])[:n], tf.uint8), absmax
+
+
+def dequantize(q, absmax, code, block_size: int = BLOCK_SIZE) -> tf.Tensor:
+    """q uint8 [n], absmax float32 [ceil(n / block_size)] -> x float32 [n]: code[q] * absmax of q's block."""
+    q = tf.convert_to_tensor(q, tf.uint8)
+    qb, n = _blocks(q, block_size)
+    values = tf.gather(tf.convert_to_tensor(code, tf.float32), tf.cast(qb, tf.int32))
+    return tf.reshape(values * tf.convert_to_tensor(absmax, tf.float32)[:, None], [-1])[:n]
