@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. `callbacks` and `distribute` are
 # the subpackages themselves.
 _HOMES = {
+    "Adam8bit": "kmp.eight_bit",
+    "AdamW8bit": "kmp.eight_bit",
     "BackupError": "kmp.backup",
     "Communication": "kmp.config",
     "Config": "kmp.config",
@@ -98,7 +100,7 @@ sys.modules[__name__].__class__ = _Package
 # modules import Keras, so they are imported as soon as Keras is: now, if it
 # already is (`import keras, kmp`), else right after `import keras` runs, by a
 # one-shot import hook. `kmp --help` and `kmp config check` import neither.
-_REGISTERING = ("kmp.optimizer", "kmp.momentum", "kmp.lr_schedule")
+_REGISTERING = ("kmp.optimizer", "kmp.momentum", "kmp.lr_schedule", "kmp.eight_bit")
 
 
 def _register_with_keras() -> None:

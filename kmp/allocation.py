@@ -58,12 +58,15 @@ def settings(model) -> Setup:
         other_weights=sum(_nbytes(v) for v in model.non_trainable_variables),
         other_state=parameter_bytes * bool(inner.use_ema),
         other_sums=parameter_bytes * bool(inner.gradient_accumulation_steps),
-        scalars=scalars + sum(_nbytes(v) for v in model.metrics_variables))
+        scalars=scalars + sum(_nbytes(v) for v in model.metrics_variables),
+        scale_blocks=sum(-(-_elements(v) // inner.block_size) for v in trainable) if states == "8bit" else None)
 
 
 def _zero_settings(optimizer) -> tuple[int, str]:
-    """(ZeRO stage, state type) of an optimizer (8-bit states are not built yet)."""
-    return getattr(optimizer, "zero_stage", 0), "32bit"
+    """(ZeRO stage, state type) of an optimizer (kmp's, or a plain one)."""
+    from kmp.eight_bit import states_of
+
+    return getattr(optimizer, "zero_stage", 0), states_of(getattr(optimizer, "inner_optimizer", optimizer))
 
 
 def _flat_in_use(model) -> bool:

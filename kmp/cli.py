@@ -65,7 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
         # The config's optimizer block, when it has one; else AdamW(--learning-rate).
         own = None if config is not None and config.optimizer is not None else keras.optimizers.AdamW(
             args.learning_rate)
-        optimizer = kmp.wrap(own, args.config, precision=chosen, **(
+        optimizer = kmp.wrap(own, args.config, precision=chosen, states=args.states, **(
             {"micro_batch_size": batch_size, "total_steps": fills["total_steps"],
              "warmup_steps": fills["warmup_steps"]} if args.config else {}))
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -218,6 +218,8 @@ def _add_demo(commands) -> None:
     demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--learning-rate", type=float, default=2e-3)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--states", choices=("32bit", "8bit"), default="32bit",
+                      help="the optimizer's moments: 32bit (default), or 8bit (block-wise quantized, kmp.AdamW8bit)")
     demo.add_argument("--verbose", action="store_true", help="print one line per epoch")
     demo.add_argument("--plot", metavar="PNG", help='draw loss, loss scale and skipped steps per step into this '
                       'PNG (needs the plot extra: pip install "kmp[plot]")')

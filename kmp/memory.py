@@ -14,8 +14,8 @@ N replicas:
     gradients        P*b      transient, in no variable: one gradient (the engine's is one flat float32
                               tensor; per-variable, one tensor per variable); a step may briefly hold two
     optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole at any stage. 8-bit
-                              (not built yet): per slot 1 byte per parameter and one float32 scale per
-                              BLOCK_SIZE of them
+                              (kmp.Adam8bit, kmp.AdamW8bit): per slot 1 byte per parameter and one
+                              float32 scale per BLOCK_SIZE of each variable's (per variable only)
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
                               the window closes)
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
@@ -35,12 +35,12 @@ Stage 1 shards the state the step updates, the flat buffers' slots
 (kmp.flat); Keras's slot variables stay whole on every replica as the
 observable copy (saved, read by callbacks), so per replica the optimizer
 state is k*P*b + k*4*ceil(P/N), not k*4*ceil(P/N) as in DeepSpeed (issue 13
-is open on that). 8-bit states are modelled before they are built. 8-bit states
-as bitsandbytes keeps them (bitsandbytes-foundation/bitsandbytes
-bitsandbytes/optim/optimizer.py at 95f9af30: uint8 moments, one float32
-absmax per block of 256; 2048 before aa57bd89, 2024), in blocks over the
-flat buffer (or shard) rather than per tensor; bitsandbytes' 32-bit states
-for tensors under 4096 elements are not modelled.
+is open on that). 8-bit states (kmp.eight_bit) as bitsandbytes keeps them
+(bitsandbytes-foundation/bitsandbytes bitsandbytes/optim/optimizer.py at
+95f9af30: uint8 moments, one float32 absmax per block of 256; 2048 before
+aa57bd89, 2024), in blocks per variable; kmp quantizes every variable
+(bitsandbytes keeps 32-bit states for tensors under 4096 elements). They
+update per variable: no flat buffers, so no stage 1 either.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class Setup:
     other_state: int = 0  # Keras's moving averages (use_ema)
     other_sums: int = 0  # Keras's own accumulation
     scalars: int | None = None  # a model's optimizers' and metrics' scalars; None: those kmp.wrap builds
+    scale_blocks: int | None = None  # 8-bit states' blocks per slot, a model's (per variable); None: of P
 
 
 def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, replicas=None, stage=None, states=None,
@@ -197,11 +198,9 @@ def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
     # per-variable path keep them whole. Keras's slot variables stay whole on every replica.
     sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb"
     shard = -(-p // n) if sharded else p
-    if s.states == "8bit":
-        state = s.slots * (p + 4 * -(-p // block_size))
-        flat_state = s.slots * (shard + 4 * -(-shard // block_size))
-    else:
-        state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
+    state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
+    if s.states == "8bit":  # per variable (no flat buffers): a byte per moment, a float32 scale per block
+        state = s.slots * (p + 4 * (-(-p // block_size) if s.scale_blocks is None else s.scale_blocks))
     sums = 4 * p * s.accumulating
     scalars = s.scalars
     if scalars is None:  # as kmp.wrap builds the optimizer: kmp's for float16, replicas, accumulation, the engine
@@ -225,7 +224,10 @@ def _check(s: Setup, problems: list[Problem]) -> None:
             s.optimizer not in EIGHT_BIT_OPTIMIZERS):
         problems.append(Problem("states", f"'32bit' with {s.optimizer!r} (8-bit states are for "
                                 f"{' and '.join(EIGHT_BIT_OPTIMIZERS)})", s.states, "Use states='32bit'."))
-    if s.flat_buffers and (s.optimizer not in FLAT_OPTIMIZERS or s.slots != SLOTS[s.optimizer]):
+    if s.flat_buffers and s.states == "8bit":
+        problems.append(Problem("flat_buffers", "False with 8-bit states (kmp.Adam8bit and AdamW8bit update per "
+                                "variable)", True, "Use flat_buffers=False, or states='32bit'."))
+    elif s.flat_buffers and (s.optimizer not in FLAT_OPTIMIZERS or s.slots != SLOTS[s.optimizer]):
         problems.append(Problem("flat_buffers", f"False with {s.optimizer!r} (kmp.flat updates "
                                 f"{', '.join(FLAT_OPTIMIZERS)}, without amsgrad)", True, "Use flat_buffers=False."))
     elif s.flat_buffers and s.parameter_bytes != 4 * s.parameters:
@@ -250,7 +252,9 @@ def optimizer_slots(optimizer, problems: list[Problem]) -> tuple[str | None, int
         return optimizer, SLOTS.get(optimizer, 0)
     name = type(optimizer).__name__.lower()
     name = "sgd_momentum" if name == "sgd" and optimizer.momentum else name
-    if name not in SLOTS or not type(optimizer).__module__.startswith("keras."):
+    if type(optimizer).__module__ == "kmp.eight_bit":  # kmp.Adam8bit, kmp.AdamW8bit: Adam's two slots, in 8 bits
+        name = name.removesuffix("8bit")
+    elif name not in SLOTS or not type(optimizer).__module__.startswith("keras."):
         problems.append(Problem("optimizer", f"a Keras {', '.join(sorted({*SLOTS} - {'sgd_momentum'}))} optimizer",
                                 type(optimizer).__name__, "Other optimizers' slots are not in kmp's table (SLOTS)."))
         return name, 0

@@ -39,6 +39,7 @@ import tensorflow as tf
 from kmp import auto, optimizers, values
 from kmp.config import Config, LossScaleConfig, attempt, communication_of
 from kmp.deepspeed import read_config, resolve_batch_sizes
+from kmp.eight_bit import with_states
 from kmp.errors import Problem, check, did_you_mean
 from kmp.optimizer import LossScaleOptimizer, own_clipping
 from kmp.precision import Precision, resolve_precision
@@ -51,7 +52,7 @@ _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_steps=None, warmup_steps=None,
-         **overrides):
+         states="32bit", **overrides):
     """The optimizer to compile with, for the given or active precision.
 
     Args:
@@ -66,6 +67,8 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
             the config and the global policy for this optimizer only.
         strict: unknown top-level config keys are errors, not a warning.
         total_steps, warmup_steps: fill the scheduler's "auto" step counts.
+        states: "8bit" stores Adam's and AdamW's moments block-wise
+            quantized (kmp.Adam8bit, kmp.AdamW8bit; docs/eight-bit.md).
         **overrides: loss-scale settings (`hysteresis=2`, `min_scale=...`,
             any `kmp.LossScaleOptimizer` argument), `gradient_clipping`,
             `gradient_accumulation_steps`, `train_batch_size`,
@@ -97,7 +100,7 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         given = _given(optimizer, policy, precision, overrides, replicas, total_steps, warmup_steps)
         settings = read_config(config, strict=strict, given=given, stacklevel=3)
     settings, extra = _with_overrides(settings, overrides)
-    optimizer = _optimizer_for(optimizer, settings)
+    optimizer = with_states(_optimizer_for(optimizer, settings), states)
     chosen = _choose_precision(precision, settings)
     clip = _clipping_to_add(optimizer, settings.gradient_clipping)
     steps = _accumulation_steps(settings, replicas, asked="gradient_accumulation_steps" in overrides)

@@ -3,9 +3,8 @@
 The model-mode cases train a real compiled model for a few steps (so the
 optimizer, the metrics and, when on, the flat-buffer engine are built), then
 compare the estimate with the variables' bytes on every replica device, byte
-for byte: stages 0 and 1, 32-bit states. 8-bit states are checked here only
-as arithmetic (parameter-count mode); their allocation checks go in
-CHECKS_TO_ADD_WITH_8_BIT.
+for byte: stages 0 and 1, 32-bit states (8-bit states: tests/test_eight_bit.py
+checks their allocation).
 """
 
 from __future__ import annotations
@@ -98,10 +97,6 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     assert sharded.flat_copies == estimate.flat_copies - 4 * slots * (shard - eighth) * bool(flat_buffers)
 
 
-# CHECKS_TO_ADD_WITH_8_BIT: when issue 13's 8-bit states exist, add CASES that build them
-# (kmp.allocation._zero_settings then reads them from the optimizer), so the test above compares their
-# estimate with their allocation on each replica, with and without stage 1.
-
 
 def test_a_model_with_keras_own_loss_scale_optimizer_and_a_schedule():
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-3, 10, 0.9)  # no learning-rate variable
@@ -152,10 +147,10 @@ def test_8bit_states_are_a_byte_per_moment_and_a_scale_per_block():
     blocks = -(-P // 256)
     e = kmp.memory_estimate(P, states="8bit")
     assert e.optimizer_state == 2 * (P + 4 * blocks)
-    shard = P // 8
-    e = kmp.memory_estimate(P, states="8bit", stage=1, replicas=8, flat_buffers=True)
-    assert e.optimizer_state == 2 * (P + 4 * blocks)
-    assert e.flat_copies == 4 * P + 2 * (shard + 4 * -(-shard // 256))
+    # They update per variable: no flat buffers, so stage 1 shards nothing.
+    assert kmp.memory_estimate(P, states="8bit", stage=1, replicas=8).optimizer_state == 2 * (P + 4 * blocks)
+    with pytest.raises(kmp.ConfigError, match="flat_buffers: expected False with 8-bit states"):
+        kmp.memory_estimate(P, states="8bit", flat_buffers=True)
     assert kmp.memory_estimate(P, optimizer="adamw", states="8bit", block_size=2048).optimizer_state == (
         2 * (P + 4 * -(-P // 2048)))
 
@@ -271,6 +266,8 @@ def test_the_docs_table_is_what_kmp_computes():
         settings = dict(replicas=int(replicas), stage=int(stage), states=states.strip("`"))
         e = kmp.memory_estimate(P, **settings)
         assert (state, per_variable) == (memory._size(e.optimizer_state), memory._size(e.total)), row
-        assert flat == memory._size(kmp.memory_estimate(P, flat_buffers=True, **settings).total), row
-        built = settings["states"] == "32bit"
-        assert status == ("tested" if built else "estimate: not built yet"), row
+        if settings["states"] == "8bit":
+            assert flat == "per variable only", row
+        else:
+            assert flat == memory._size(kmp.memory_estimate(P, flat_buffers=True, **settings).total), row
+        assert status == "tested", row

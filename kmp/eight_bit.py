@@ -1,0 +1,145 @@
+"""8-bit Adam and AdamW: the two moments stored block-wise quantized, as bitsandbytes' Adam8bit keeps them.
+
+    kmp.wrap(keras.optimizers.AdamW(1e-3), states="8bit")     # the same settings, 8-bit moments
+    kmp.AdamW8bit(1e-3, weight_decay=0.01)                    # or the class itself (kmp.Adam8bit too)
+
+Why: Adam's two float32 moments are 8 bytes per parameter on every replica,
+twice the float32 weights. Stored as one byte per element (an index into
+bitsandbytes' dynamic map, kmp.quantize) plus one float32 scale per block
+of `block_size` elements of each variable, they take 2 + 8/256 bytes.
+
+The update is Keras's Adam.update_step on the dequantized moments, op for
+op (AdamW's decay is Keras's, before it); the new moments are quantized
+again after the weight has been moved with their exact values, as
+bitsandbytes' kernels do:
+
+    m = dequantize(m8, m_scale, signed map);  v = dequantize(v8, v_scale, unsigned map)
+    m += (g - m) * (1 - beta_1);              v += (g^2 - v) * (1 - beta_2)
+    w -= lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
+    m8, m_scale = quantize(m);                v8, v_scale = quantize(v)
+
+What differs from bitsandbytes: every variable is quantized (bitsandbytes
+keeps 32-bit states for tensors under 4096 elements, `min_8bit_size`), and
+the blocks are per variable. kmp's fused and flat-buffer updates are for
+float32 states: these classes take the per-variable path, which kmp says
+once (so `zero_stage=1`, which needs the flat buffers, does not shard them).
+`amsgrad` is not offered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from kmp import quantize
+from kmp.errors import Problem, check
+
+STATES = ("32bit", "8bit")
+
+
+class _EightBitStates:
+    """Adam's build and update_step with 8-bit moments (mixed into Keras's Adam and AdamW)."""
+
+    def __init__(self, *args, block_size=quantize.BLOCK_SIZE, **kwargs):
+        problems = []
+        if kwargs.get("amsgrad"):
+            problems.append(Problem("amsgrad", "False (8-bit states keep no float32 velocity maximum)", True,
+                                    "Use the 32-bit optimizer for amsgrad."))
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            problems.append(Problem("block_size", "an integer >= 1 (bitsandbytes uses 256)", block_size))
+        check(problems, f"kmp.{type(self).__name__} arguments")
+        super().__init__(*args, **kwargs)
+        self.block_size = block_size
+
+    def build(self, var_list):
+        if self.built:
+            return
+        keras.optimizers.Optimizer.build(self, var_list)  # iterations, indices; not Adam's float32 slots
+        self._moment_codes, self._moment_scales, self._velocity_codes, self._velocity_scales = [], [], [], []
+        for variable in var_list:
+            size = math.prod(variable.shape)
+            blocks = -(-size // self.block_size)
+            # Zero scales decode to exact zeros, whatever the codes: Adam's zero start.
+            for codes, scales, name in ((self._moment_codes, self._moment_scales, "momentum"),
+                                        (self._velocity_codes, self._velocity_scales, "velocity")):
+                with self._distribution_strategy.extended.colocate_vars_with(_tf_variable(variable)):
+                    codes.append(self.add_variable((size,), dtype="uint8", name=f"{name}_8bit"))
+                    scales.append(self.add_variable((blocks,), dtype="float32", name=f"{name}_scale"))
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        dtype = variable.dtype
+        lr = ops.cast(learning_rate, dtype)
+        gradient = ops.reshape(ops.cast(tf.convert_to_tensor(gradient), dtype), [-1])
+        local_step = ops.cast(self.iterations + 1, dtype)
+        beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
+        beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
+        signed, unsigned = quantize.dynamic_map(True), quantize.dynamic_map(False)
+        m = quantize.dequantize(self._moment_codes[index], self._moment_scales[index], signed, self.block_size)
+        v = quantize.dequantize(self._velocity_codes[index], self._velocity_scales[index], unsigned,
+                                self.block_size)
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        m = m + (gradient - m) * (1 - self.beta_1)
+        v = v + (ops.square(gradient) - v) * (1 - self.beta_2)
+        self.assign_sub(variable, ops.reshape(ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), self.epsilon)),
+                                              variable.shape))
+        for codes, scales, value, code in ((self._moment_codes, self._moment_scales, m, signed),
+                                           (self._velocity_codes, self._velocity_scales, v, unsigned)):
+            q, scale = quantize.quantize(value, code, self.block_size)
+            self.assign(codes[index], q)
+            self.assign(scales[index], scale)
+
+    def moments(self, variable) -> tuple[tf.Tensor, tf.Tensor]:
+        """(m, v) of `variable` as float32, dequantized (for inspection and tests)."""
+        index = self._get_variable_index(variable)
+        m = quantize.dequantize(self._moment_codes[index], self._moment_scales[index], quantize.dynamic_map(True),
+                                self.block_size)
+        v = quantize.dequantize(self._velocity_codes[index], self._velocity_scales[index],
+                                quantize.dynamic_map(False), self.block_size)
+        return ops.reshape(m, variable.shape), ops.reshape(v, variable.shape)
+
+    def get_config(self):
+        return {**super().get_config(), "block_size": self.block_size}
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class Adam8bit(_EightBitStates, keras.optimizers.Adam):
+    """keras.optimizers.Adam with 8-bit moments (see kmp.eight_bit). `block_size`: elements per scale."""
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class AdamW8bit(_EightBitStates, keras.optimizers.AdamW):
+    """keras.optimizers.AdamW with 8-bit moments (see kmp.eight_bit). `block_size`: elements per scale."""
+
+
+_EIGHT_BIT = {keras.optimizers.Adam: Adam8bit, keras.optimizers.AdamW: AdamW8bit}
+
+
+def with_states(optimizer, states: str):
+    """`optimizer` with `states` ("32bit": itself; "8bit": an Adam8bit/AdamW8bit copy of its settings)."""
+    problems = []
+    if states not in STATES:
+        problems.append(Problem("states", f"one of {', '.join(map(repr, STATES))}", states))
+    elif states == "8bit" and type(optimizer) not in _EIGHT_BIT and not isinstance(optimizer, _EightBitStates):
+        problems.append(Problem("states", "'32bit' for this optimizer (8-bit states are for Keras's Adam and AdamW)",
+                                f"'8bit' with {type(optimizer).__name__}", "Use Adam or AdamW, or states='32bit'."))
+    elif states == "8bit" and optimizer.built and not isinstance(optimizer, _EightBitStates):
+        problems.append(Problem("optimizer", "an optimizer not built yet (its float32 moments would be lost)",
+                                f"a built {type(optimizer).__name__}", "Pass a new optimizer."))
+    elif states == "8bit" and getattr(optimizer, "amsgrad", False):
+        problems.append(Problem("states", "'32bit' with amsgrad=True", "'8bit'", "Drop amsgrad, or keep 32-bit states."))
+    check(problems, "kmp.wrap arguments")
+    if states == "32bit" or isinstance(optimizer, _EightBitStates):
+        return optimizer
+    return _EIGHT_BIT[type(optimizer)].from_config(optimizer.get_config())
+
+
+def states_of(optimizer) -> str:
+    return "8bit" if isinstance(optimizer, _EightBitStates) else "32bit"
+
+
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable

@@ -1,0 +1,165 @@
+"""kmp.Adam8bit and kmp.AdamW8bit: Keras's Adam on block-wise 8-bit moments (kmp.eight_bit, kmp.quantize)."""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp import quantize
+from kmp.eight_bit import Adam8bit, AdamW8bit
+
+HALF_GAP = {True: 0.0070313, False: 0.0035157}  # the maps' largest half gap (tests/test_quantize.py measures it)
+
+
+def _problem(seed=0, rows=64):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 20)).astype("float32")
+    return x, (x @ rng.normal(size=(20, 3)) + 0.1 * rng.normal(size=(rows, 3))).astype("float32")
+
+
+def _model(optimizer, strategy=None):
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else keras.name_scope("one"):
+        model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(300, activation="relu", name="wide"),
+                                  keras.layers.Dense(3, name="out")], name="net")
+        model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def test_the_first_step_is_adams_and_its_moments_are_stored_within_the_map_bound():
+    x, y = _problem()
+    plain, eight = _model(keras.optimizers.Adam(1e-2)), _model(Adam8bit(1e-2))
+    for model in (plain, eight):
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    # From zero moments the step uses the exact new moments, as Keras's Adam does.
+    for a, b in zip(plain.trainable_weights, eight.trainable_weights):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-7)
+    # What is stored is each moment to within half a gap of the map, times its block's absmax.
+    inner = plain.optimizer
+    for variable in eight.trainable_variables:
+        m, v = (np.array(t).ravel() for t in eight.optimizer.moments(variable))
+        index = inner._get_variable_index(plain.trainable_variables[eight.optimizer._get_variable_index(variable)])
+        for stored, exact, signed in ((m, np.array(inner._momentums[index]).ravel(), True),
+                                      (v, np.array(inner._velocities[index]).ravel(), False)):
+            blocks = np.pad(np.abs(exact), (0, -len(exact) % 256)).reshape(-1, 256).max(axis=1)
+            bound = np.repeat(blocks, 256)[:len(exact)] * HALF_GAP[signed] * (1 + 1e-5)
+            assert np.all(np.abs(stored - exact) <= bound)
+            assert np.abs(stored - exact).max() > 0  # quantized, not kept
+
+
+def test_the_states_are_a_byte_per_moment_and_a_scale_per_block():
+    model = _model(kmp.wrap(AdamW8bit(1e-3)))
+    model.fit(*_problem(), batch_size=32, epochs=1, verbose=0)
+    inner = model.optimizer.inner_optimizer if hasattr(model.optimizer, "inner_optimizer") else model.optimizer
+    sizes = {v.path: math.prod(v.shape) for v in model.trainable_variables}
+    states = [v for v in inner.variables if v is not inner.iterations and v is not inner._learning_rate]
+    assert sorted((v.dtype, math.prod(v.shape)) for v in states) == sorted(
+        [("uint8", n) for n in sizes.values()] * 2 + [("float32", -(-n // 256)) for n in sizes.values()] * 2)
+    # And kmp's memory accounting counts exactly that.
+    estimate = kmp.memory_estimate(model)
+    assert estimate.states == "8bit" and estimate.optimizer == "adamw"
+    assert next(iter(kmp.measured_bytes(model).values())) == estimate.in_variables()
+    p = sum(sizes.values())
+    assert estimate.optimizer_state == 2 * (p + 4 * sum(-(-n // 256) for n in sizes.values()))
+
+
+def test_it_learns_as_adam_does():
+    x, y = _problem(rows=512)
+    losses = {}
+    for name, optimizer in (("32bit", keras.optimizers.AdamW(3e-3)), ("8bit", AdamW8bit(3e-3))):
+        model = _model(optimizer)
+        losses[name] = model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0).history["loss"]
+    assert losses["8bit"][-1] < 0.2 * losses["8bit"][0]
+    np.testing.assert_allclose(losses["8bit"], losses["32bit"], rtol=0.05)
+
+
+def test_wrap_makes_the_8bit_twin_of_adam_and_adamw():
+    for given, expected in ((keras.optimizers.Adam(1e-3, beta_1=0.8), Adam8bit),
+                            (keras.optimizers.AdamW(1e-3, weight_decay=0.1), AdamW8bit)):
+        wrapped = kmp.wrap(given, states="8bit", precision="fp16")
+        inner = wrapped.inner_optimizer
+        assert type(inner) is expected
+        assert {k: v for k, v in inner.get_config().items() if k not in ("name", "block_size")} == {
+            k: v for k, v in given.get_config().items() if k != "name"}
+    assert type(kmp.wrap(keras.optimizers.AdamW(), states="8bit", precision="bf16")) is AdamW8bit
+
+
+@pytest.mark.parametrize("optimizer, states, message", [
+    (lambda: keras.optimizers.SGD(0.1), "8bit", "8-bit states are for Keras's Adam and AdamW"),
+    (lambda: keras.optimizers.Adam(amsgrad=True), "8bit", "'32bit' with amsgrad=True"),
+    (lambda: keras.optimizers.Adam(), "4bit", "states: expected one of '32bit', '8bit'. Received: states='4bit'"),
+])
+def test_wrap_refuses_what_it_cannot_make(optimizer, states, message):
+    with pytest.raises(kmp.ConfigError, match=message):
+        kmp.wrap(optimizer(), states=states)
+
+
+def test_a_built_optimizer_is_not_converted():
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([keras.Variable(np.zeros(3, "float32"))])
+    with pytest.raises(kmp.ConfigError, match="an optimizer not built yet"):
+        kmp.wrap(optimizer, states="8bit")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"amsgrad": True}, "amsgrad: expected False"), ({"block_size": 0}, "block_size: expected an integer >= 1"),
+])
+def test_the_classes_check_their_arguments(kwargs, message):
+    with pytest.raises(kmp.ConfigError, match=message):
+        Adam8bit(**kwargs)
+
+
+def test_a_keras_file_keeps_the_8bit_states_and_training_goes_on_the_same(tmp_path):
+    x, y = _problem()
+    model = _model(kmp.wrap(AdamW8bit(1e-3, block_size=128), precision="fp16"))
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer.inner_optimizer) is AdamW8bit and loaded.optimizer.inner_optimizer.block_size == 128
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.variables + model.optimizer.variables, loaded.variables + loaded.optimizer.variables):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_under_mirrored_strategy_in_float16_every_replica_keeps_the_same_states(two_replicas):
+    keras.config.set_dtype_policy("mixed_float16")
+    with two_replicas.scope():
+        optimizer = kmp.wrap(keras.optimizers.AdamW(1e-3), states="8bit")
+    model = kmp.prepare(_model(optimizer, two_replicas))
+    x, y = _problem()
+    x[5] = 1e5  # one overflowing batch: skipped, the states untouched
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert model.optimizer.skipped_steps.numpy() >= 1
+    inner = model.optimizer.inner_optimizer
+    for variable in inner.variables:
+        first, second = (np.array(c) for c in two_replicas.experimental_local_results(variable.value))
+        np.testing.assert_array_equal(first, second)
+        assert np.all(np.isfinite(first.astype("float32")))
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_whole_step_xla_on_one_device():
+    model = kmp.prepare(_model(kmp.wrap(Adam8bit(1e-3), precision="fp16")), jit_compile=True)
+    model.fit(*_problem(), batch_size=16, epochs=1, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_zero_stage_1_does_not_shard_8bit_states_and_says_so(two_replicas, caplog):
+    with two_replicas.scope():
+        optimizer = kmp.wrap(keras.optimizers.Adam(1e-3), states="8bit", zero_stage=1, precision="fp16")
+    with pytest.warns(UserWarning, match="every replica keeps the whole optimizer state"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="precision 'mixed_float16' on CPU")
+        kmp.prepare(_model(optimizer, two_replicas)).fit(*_problem(), batch_size=16, epochs=1, verbose=0)
+
+
+def test_the_maps_are_the_ones_quantize_uses():
+    # Signed for the first moment, unsigned for the second, as bitsandbytes' Adam8bit.
+    assert quantize.dynamic_map(True).min() < 0 <= quantize.dynamic_map(False).min()
+    assert tf.get_static_value(tf.constant(quantize.dynamic_map(False))).max() == 1.0
