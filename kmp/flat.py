@@ -206,17 +206,9 @@ class FlatBuffers:
         self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
 
     def update_shard(self, grad, clip_scale, learning_rate) -> tf.Tensor:
-        """ZeRO stage 1: the step on this replica's shard; returns its new weights (kmp.zero gathers them)."""
+        """ZeRO stage 1: the step on this replica's shard of the weights and of the reduced
+        gradient; returns the new shard (kmp.zero.gather spreads it)."""
         return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
-
-    def gather_weights(self, shard) -> None:
-        """ZeRO stage 1: every replica's new `shard` -> this replica's whole weights (one all-gather).
-
-        Called on every replica at every step, overflowing or not: a
-        collective cannot sit in a branch some replicas might not take.
-        """
-        whole = tf.distribute.get_replica_context().all_gather(shard, axis=0)
-        self.local("weights").assign(whole[:self.size])
 
     def weight_shard(self) -> tf.Tensor:
         """This replica's shard of its weights, as update_shard returns it (zero padded at the end)."""
@@ -273,7 +265,7 @@ class FlatBuffers:
             new = self.rule.update(s, h, value, grad, slots)
         iterations.assign_add(1)
         if self.sharded:
-            return new  # the new shard: kmp.zero gathers every replica's into the whole weights
+            return new  # kmp.zero.gather writes every replica's into the whole weights
         weights.assign(new)
         return None
 

@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kmp import loss_scale, overflow, replica_state, seams, values, wall_clock
+from kmp import loss_scale, overflow, replica_state, seams, values, wall_clock, zero
 from kmp.accumulate import Accumulation
 from kmp.config import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import reduce_mean
@@ -300,10 +300,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
         wall_clock.stamp("checked", [finite, clip])
-        if buffers.sharded:
-            # ZeRO stage 1 (kmp.flat): this replica updates its shard; the weights are gathered whole after.
-            shard = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
-            buffers.gather_weights(shard)
+        if buffers.sharded:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
+            new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
+            zero.gather(buffers, new)
         else:
             ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         wall_clock.stamp("updated", buffers.local("weights"))

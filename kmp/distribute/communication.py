@@ -50,12 +50,7 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
         return list(grads)
     communication = communication or Communication()
     dtype = tf.as_dtype(communication.dtype)
-    pre = None  # multiplies before the reduce, divides after; None: neither
-    if communication.predivide_factor is not None:
-        pre = tf.constant(ctx.num_replicas_in_sync / communication.predivide_factor, tf.float32)
-    if dtype == tf.float16:
-        scale = tf.cast(loss_scale, tf.float32)
-        pre = scale if pre is None else pre * scale
+    pre = factor(ctx.num_replicas_in_sync, communication, loss_scale)
     times = (lambda g: g) if pre is None else (lambda g: g * pre)
 
     # TensorFlow's collectives pack by the same size (MultiWorkerMirrored);
@@ -78,6 +73,17 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
         for i, reduced in zip(others, ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in others], options)):
             out[i] = reduced
     return out
+
+
+def factor(replicas: int, communication: Communication, loss_scale):
+    """What the gradients are multiplied by before the reduce and divided by after; None: neither."""
+    pre = None
+    if communication.predivide_factor is not None:
+        pre = tf.constant(replicas / communication.predivide_factor, tf.float32)
+    if communication.dtype == "float16":
+        scale = tf.cast(loss_scale, tf.float32)
+        pre = scale if pre is None else pre * scale
+    return pre
 
 
 def _flattenable(g) -> bool:
