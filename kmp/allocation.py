@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from kmp import engine, seams
 from kmp.errors import Problem, check
-from kmp.memory import (CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS, OPTIMIZER_SCALARS, Bytes, Setup,
-                        optimizer_slots)
+from kmp.memory import (BLOCK_SIZE, CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS, OPTIMIZER_SCALARS,
+                        Bytes, Setup, optimizer_slots)
 
 
 def settings(model) -> Setup:
@@ -59,7 +59,7 @@ def settings(model) -> Setup:
         other_state=parameter_bytes * bool(inner.use_ema),
         other_sums=parameter_bytes * bool(inner.gradient_accumulation_steps),
         scalars=scalars + sum(_nbytes(v) for v in model.metrics_variables),
-        scale_blocks=sum(-(-_elements(v) // inner.block_size) for v in trainable) if states == "8bit" else None)
+        sizes=tuple(_elements(v) for v in trainable), block_size=getattr(inner, "block_size", BLOCK_SIZE))
 
 
 def _zero_settings(optimizer) -> tuple[int, str]:

@@ -20,10 +20,12 @@ bitsandbytes' kernels do:
 
 What differs from bitsandbytes: every variable is quantized (bitsandbytes
 keeps 32-bit states for tensors under 4096 elements, `min_8bit_size`), and
-the blocks are per variable. kmp's fused and flat-buffer updates are for
-float32 states: these classes take the per-variable path, which kmp says
-once (so `zero_stage=1`, which needs the flat buffers, does not shard them).
-`amsgrad` is not offered.
+the blocks are per variable. On kmp.prepare's flat buffers the same update
+runs on whole buffers of codes and scales (kmp.flat_rules.EightBitAdam;
+kmp.flat starts each variable on a block, so the blocks are these), and
+ZeRO stage 1 shards them by whole blocks. kmp's per-variable fused update
+(kmp.fused) is for float32 states: without the flat buffers this class's
+update_step runs. `amsgrad` is not offered.
 """
 
 from __future__ import annotations

@@ -28,10 +28,17 @@ slots; Lion, Adagrad and Lamb have their rules here (Lamb's trust ratio per
 variable, as segment norms). Weights agree with the per-variable path to
 about one ulp per step.
 
+8-bit states (kmp.Adam8bit, kmp.AdamW8bit) are quantized by blocks of each
+variable: with them every variable starts on a block in every buffer (its
+span padded with zeros, `spans`), each moment is a uint8 buffer of codes and
+a float32 buffer of one scale per block, and ZeRO stage 1 shards by whole
+blocks, so a buffer's blocks are the Keras variables' blocks.
+
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
-weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots, 4 for the
-accumulation window; with Lamb, 4 more for each element's variable index.
+weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots
+(8-bit: 2 + 8/block), 4 for the accumulation window; with Lamb, 4 more for
+each element's variable index.
 """
 
 from __future__ import annotations
@@ -108,14 +115,18 @@ class FlatBuffers:
         decays = [inner.weight_decay is not None and inner._use_weight_decay(v) for v in trainable]
         # Decayed variables first: the decay is then a prefix of the buffer.
         self.order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
-        self.decayed = sum(s for s, d in zip(sizes(trainable), decays) if d)
         self.variables = [trainable[i] for i in self.order]
         self.sizes = sizes(self.variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
-        self.size = sum(self.sizes)
+        self.rule = RULES[type(inner)]
+        # 8-bit states quantize by blocks of each variable (kmp.eight_bit): each variable then
+        # starts on a block, its span padded with zeros, so the buffer's blocks are the Keras ones.
+        self.block = inner.block_size if getattr(self.rule, "blocks", False) else 1
+        self.spans = [-(-n // self.block) * self.block for n in self.sizes]
+        self.size = sum(self.spans)
+        self.decayed = sum(self.spans[:sum(decays)])
         # The Keras variables each buffer mirrors, in buffer order.
         index = [inner._get_variable_index(v) for v in self.variables]
-        self.rule = RULES[type(inner)]
         if isinstance(inner, keras.optimizers.SGD):
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
         else:
@@ -130,11 +141,13 @@ class FlatBuffers:
         # ZeRO stage 1 (kmp.zero): each replica keeps one of N equal shards of every slot buffer.
         self.replicas = self.strategy.num_replicas_in_sync
         self.sharded = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
-        self.shard = -(-self.size // self.replicas) if self.sharded else self.size
+        # Shards of whole blocks, so that no block of 8-bit states is split between replicas.
+        self.shard = -(-self.size // (self.replicas * self.block)) * self.block if self.sharded else self.size
+        dtypes = getattr(self.rule, "dtypes", {})
         with self.strategy.scope():
             self.buffers = {
-                name: tf.Variable(tf.zeros([self.shard if name in self.slot_names else self.size]), trainable=False,
-                                  name=f"kmp_flat_{name}")
+                name: tf.Variable(tf.zeros([self._length(name, self.shard if name in self.slot_names else self.size)],
+                                           dtypes.get(name, tf.float32)), trainable=False, name=f"kmp_flat_{name}")
                 for name in self.mirrors
             }
         if getattr(self.rule, "per_variable", False):
@@ -143,7 +156,7 @@ class FlatBuffers:
             # XLA: XLA gives tf.repeat a padded dynamic shape past a few million
             # elements, and compiles a cumsum of that size for minutes.
             with self.strategy.scope():
-                self.segment_ids = tf.Variable(np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.sizes),
+                self.segment_ids = tf.Variable(np.repeat(np.arange(len(self.spans), dtype=np.int32), self.spans),
                                                trainable=False, name="kmp_flat_segments")
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
@@ -179,8 +192,11 @@ class FlatBuffers:
                 names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
                 logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
-        return tf.concat([tf.reshape(tf.zeros(s, tf.float32) if grads[i] is None else tf.cast(grads[i], tf.float32),
-                                     [-1]) for i, s in zip(self.order, self.shapes)], axis=0)
+        parts = [tf.reshape(tf.zeros(s, tf.float32) if grads[i] is None else tf.cast(grads[i], tf.float32), [-1])
+                 for i, s in zip(self.order, self.shapes)]
+        if self.block > 1:
+            parts = [tf.pad(p, [[0, span - n]]) for p, n, span in zip(parts, self.sizes, self.spans)]
+        return tf.concat(parts, axis=0)
 
     def segment_finite(self, flat) -> tf.Tensor:
         """Per trainable variable (model order): True iff its part of `flat` is finite."""
@@ -188,10 +204,10 @@ class FlatBuffers:
             # Inside a whole-step XLA computation the segment ids of tf.repeat
             # get a padded dynamic shape past a few million elements: one
             # reduction per variable instead (compiled, run on an overflow only).
-            ok = tf.stack([tf.reduce_all(tf.math.is_finite(part)) for part in tf.split(flat, self.sizes)])
+            ok = tf.stack([tf.reduce_all(tf.math.is_finite(part)) for part in tf.split(flat, self.spans)])
         else:
             ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), self._segments(),
-                                              len(self.sizes)) > 0
+                                              len(self.spans)) > 0
         return tf.gather(ok, tf.argsort(self.order))
 
     def update(self, grad, clip_scale, learning_rate) -> None:
@@ -232,11 +248,16 @@ class FlatBuffers:
         """Where this replica's shard starts in the buffer (0 when not sharded)."""
         return replica[1] * self.shard if self.sharded else 0
 
-    def _shard_of(self, flat, offset=None):
-        """This replica's [offset, offset + shard) of a whole buffer, zeros past its end."""
+    def _shard_of(self, flat, offset=None, name="weights"):
+        """This replica's [offset, offset + shard) of a whole buffer `name`, zeros past its end."""
         offset = self._offset(fused._replica()[0]) if offset is None else offset
-        part = flat[offset:offset + self.shard]
-        return tf.pad(part, [[0, self.shard - part.shape[0]]]) if part.shape[0] < self.shard else part
+        start, length = self._length(name, offset), self._length(name, self.shard)
+        part = flat[start:start + length]
+        return tf.pad(part, [[0, length - part.shape[0]]]) if part.shape[0] < length else part
+
+    def _length(self, name, elements: int) -> int:
+        """How many entries of buffer `name` hold `elements` elements (8-bit scales: one per block)."""
+        return elements // self.block if name in getattr(self.rule, "per_block", ()) else elements
 
     def _update(self, weights, slots, iterations, offset, grad, learning_rate, clip_scale=None):
         h = self.hyper
@@ -259,7 +280,10 @@ class FlatBuffers:
             value = tf.where(index < self.decayed, decayed, value)
         if self.missing:
             keep = self._updated_mask(index)
-            slots = tuple(_Masked(slot, keep) for slot in slots)
+            # A variable's blocks are its own (self.block): a block's scale is kept with its elements.
+            per_block = getattr(self.rule, "per_block", ())
+            slots = tuple(_Masked(slot, keep[::self.block] if name in per_block else keep)
+                          for name, slot in zip(self.slot_names, slots))
             new = tf.where(keep, self.rule.update(s, h, value, grad, slots), old)
         else:
             new = self.rule.update(s, h, value, grad, slots)
@@ -283,7 +307,7 @@ class FlatBuffers:
     def _missing_runs(self) -> list[tuple[int, int]]:
         """[start, end) element ranges of the variables without a gradient, adjacent ones merged."""
         runs, offset = [], 0
-        for position, size in zip(self.order, self.sizes):
+        for position, size in zip(self.order, self.spans):
             if position in self.missing:
                 if runs and runs[-1][1] == offset:
                     runs[-1] = (runs[-1][0], offset + size)
@@ -308,13 +332,26 @@ class FlatBuffers:
         for variable, part in zip(self.variables, self._parts(flat)):
             fused._local(variable).assign(part)
 
-    def _parts(self, flat):
-        """`flat` as one tensor per variable, in buffer order."""
-        return [tf.reshape(p, s) for p, s in zip(tf.split(flat, self.sizes), self.shapes)]
+    def _parts(self, flat, name="weights", shapes=None):
+        """Whole buffer `name` as one tensor per variable (of `shapes`, the variables' by default), in buffer order."""
+        spans = [self._length(name, span) for span in self.spans]
+        shapes = self.shapes if shapes is None else shapes
+        return [tf.reshape(p if span == n else p[:n], s)
+                for p, span, n, s in zip(tf.split(flat, spans), spans, map(_elements, shapes), shapes)]
+
+    def _joined(self, name, values):
+        """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
+        pad = getattr(self.rule, "pads", {}).get(name, 0)
+        parts = []
+        for value, span in zip(values, self.spans):
+            flat, span = tf.reshape(value, [-1]), self._length(name, span)
+            parts.append(flat if flat.shape[0] == span else
+                         tf.concat([flat, tf.fill([span - flat.shape[0]], tf.constant(pad, flat.dtype))], axis=0))
+        return tf.concat(parts, axis=0)
 
     def _segments(self):
         """Each element's variable (its index in buffer order)."""
-        return tf.repeat(tf.range(len(self.sizes)), self.sizes)
+        return tf.repeat(tf.range(len(self.spans)), self.spans)
 
     def _copy(self, direction: str) -> None:
         # Component by component, each on its own device. Eagerly at first: a
@@ -339,19 +376,19 @@ class FlatBuffers:
 
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in mirrors[name]], axis=0)
+            flat = self._joined(name, [v.read_value() for v in mirrors[name]])
             if isinstance(buffer, tuple | list):  # a shard: this replica's part
                 buffer = buffer[offset // self.shard]
-                flat = self._shard_of(flat, offset)
+                flat = self._shard_of(flat, offset, name)
             buffer.assign(flat)
 
     def _store_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             if isinstance(buffer, tuple | list):  # the shards, gathered
-                flat = tf.concat([b.read_value() for b in buffer], axis=0)[:self.size]
+                flat = tf.concat([b.read_value() for b in buffer], axis=0)[:self._length(name, self.size)]
             else:
                 flat = buffer.read_value()
-            for variable, part in zip(mirrors[name], self._parts(flat)):
+            for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
                 variable.assign(part)
 
 
@@ -366,6 +403,10 @@ class _Masked:
 
     def assign(self, value):
         return self.variable.assign(tf.where(self.keep, value, self.old))
+
+
+def _elements(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 def _tf_variable(variable):

@@ -3,7 +3,8 @@
 Each rule is Keras 3.15's `update_step`, op for op, on one flat tensor per
 slot (`scalars` once per step, `update` on the whole buffer). SGD, Adam and
 AdamW use kmp.fused's rules. Lamb's trust ratio is per variable: the norms
-are sums over each variable's segment of the buffer.
+are sums over each variable's segment of the buffer. kmp.eight_bit's 8-bit
+Adam and AdamW run fused._Adam on moments dequantized from their buffers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from kmp import fused
+from kmp import fused, quantize
+from kmp.eight_bit import Adam8bit, AdamW8bit
 
 ADAM_SLOTS = (("momentum", "_momentums"), ("velocity", "_velocities"))
 
@@ -82,7 +84,51 @@ class Lamb:
         return value - ratio * s["lr"] * update
 
 
+class EightBitAdam:
+    """kmp.eight_bit's Adam8bit/AdamW8bit update_step on flat buffers: fused._Adam on the dequantized moments.
+
+    Each moment is two buffers, its uint8 codes (one per element) and its
+    float32 scales (one per block). kmp.flat starts every variable on a
+    block, so the blocks, codes and scales are those of the Keras variables;
+    the elements that pad a variable to whole blocks hold the code of zero.
+    """
+
+    slots = (("momentum_codes", "_moment_codes"), ("momentum_scales", "_moment_scales"),
+             ("velocity_codes", "_velocity_codes"), ("velocity_scales", "_velocity_scales"))
+    blocks = True  # kmp.flat aligns each variable to the optimizer's block_size
+    per_block = ("momentum_scales", "velocity_scales")
+    dtypes = {"momentum_codes": tf.uint8, "velocity_codes": tf.uint8}
+    pads = {"momentum_codes": quantize.zero_code(True), "velocity_codes": quantize.zero_code(False)}
+    scalars = staticmethod(fused._Adam.scalars)
+
+    @staticmethod
+    def update(s, h, value, grad, slots):
+        m_codes, m_scales, v_codes, v_scales = slots
+        moments = (_Quantized(m_codes, m_scales, True, h["block_size"]),
+                   _Quantized(v_codes, v_scales, False, h["block_size"]))
+        return fused._Adam.update(s, h, value, grad, moments)
+
+
+class _Quantized:
+    """One 8-bit moment (codes and scales) read and assigned as float32, as kmp.eight_bit does per variable."""
+
+    def __init__(self, codes, scales, signed, block_size):
+        self.codes, self.scales, self.block_size = codes, scales, block_size
+        self.code = quantize.dynamic_map(signed)
+
+    def read_value(self):
+        return quantize.dequantize(self.codes.read_value(), self.scales.read_value(), self.code, self.block_size)
+
+    def assign(self, value):
+        codes, scales = quantize.quantize(value, self.code, self.block_size)
+        self.codes.assign(codes)
+        self.scales.assign(scales)
+
+
 RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,
-          keras.optimizers.Lion: Lion, keras.optimizers.Adagrad: Adagrad, keras.optimizers.Lamb: Lamb}
+          keras.optimizers.Lion: Lion, keras.optimizers.Adagrad: Adagrad, keras.optimizers.Lamb: Lamb,
+         Adam8bit: EightBitAdam, AdamW8bit: EightBitAdam}
 HYPERPARAMETERS = {**fused._HYPERPARAMETERS, keras.optimizers.Lion: ("beta_1", "beta_2"),
-                   keras.optimizers.Adagrad: ("epsilon",), keras.optimizers.Lamb: ("beta_1", "beta_2", "epsilon")}
+                   keras.optimizers.Adagrad: ("epsilon",), keras.optimizers.Lamb: ("beta_1", "beta_2", "epsilon"),
+                   Adam8bit: ("beta_1", "beta_2", "epsilon", "block_size"),
+                   AdamW8bit: ("beta_1", "beta_2", "epsilon", "block_size")}

@@ -15,12 +15,14 @@ N replicas:
                               tensor; per-variable, one tensor per variable); a step may briefly hold two
     optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole at any stage. 8-bit
                               (kmp.Adam8bit, kmp.AdamW8bit): per slot 1 byte per parameter and one
-                              float32 scale per BLOCK_SIZE of each variable's (per variable only)
+                              float32 scale per block (BLOCK_SIZE) of each variable's
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
                               the window closes)
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
                      engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
-                     slots sharded; its weights stay whole: the forward pass reads them)
+                     slots sharded; its weights stay whole: the forward pass reads them). With 8-bit
+                     states each variable spans whole blocks there (P rounded up per variable), and
+                     each slot takes 1 byte per element and 4 per block of its shard
     scalars          step counters, learning rate, loss-scale state, accumulation counters (and metric totals)
 
 DeepSpeed (deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py at
@@ -39,8 +41,9 @@ is open on that). 8-bit states (kmp.eight_bit) as bitsandbytes keeps them
 (bitsandbytes-foundation/bitsandbytes bitsandbytes/optim/optimizer.py at
 95f9af30: uint8 moments, one float32 absmax per block of 256; 2048 before
 aa57bd89, 2024), in blocks per variable; kmp quantizes every variable
-(bitsandbytes keeps 32-bit states for tensors under 4096 elements). They
-update per variable: no flat buffers, so no stage 1 either.
+(bitsandbytes keeps 32-bit states for tensors under 4096 elements). The
+flat buffers keep the same blocks (kmp.flat aligns each variable to one),
+and stage 1 shards them by whole blocks.
 """
 
 from __future__ import annotations
@@ -142,11 +145,12 @@ class Setup:
     other_state: int = 0  # Keras's moving averages (use_ema)
     other_sums: int = 0  # Keras's own accumulation
     scalars: int | None = None  # a model's optimizers' and metrics' scalars; None: those kmp.wrap builds
-    scale_blocks: int | None = None  # 8-bit states' blocks per slot, a model's (per variable); None: of P
+    sizes: tuple | None = None  # a model's trainable variables' element counts; None: one tensor of P
+    block_size: int = BLOCK_SIZE  # elements per scale of 8-bit states
 
 
 def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, replicas=None, stage=None, states=None,
-                    gradient_accumulation_steps=None, flat_buffers=None, block_size=BLOCK_SIZE) -> MemoryEstimate:
+                    gradient_accumulation_steps=None, flat_buffers=None, block_size=None) -> MemoryEstimate:
     """Bytes per replica of weights, gradients, optimizer state, accumulators, flat copies and scalars.
 
     `model_or_parameters`: a parameter count (an int, "125M", "1.3B", "7e9"),
@@ -179,11 +183,12 @@ def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, repl
                       accumulating=gradient_accumulation_steps > 1)
     if flat_buffers is not None and values.boolean("flat_buffers", flat_buffers, problems):
         change["flat_buffers"] = flat_buffers
-    values.int_in("block_size", block_size, 1, problems)
+    if block_size is not None and values.int_in("block_size", block_size, 1, problems):
+        change["block_size"] = block_size
     setup = dataclasses.replace(setup, **{k: v for k, v in change.items() if v is not None})
     _check(setup, problems)
     check(problems, "kmp.memory_estimate arguments")
-    return _estimate(setup, block_size)
+    return _estimate(setup)
 
 
 def estimates(parameters, **settings) -> list[MemoryEstimate]:
@@ -192,15 +197,21 @@ def estimates(parameters, **settings) -> list[MemoryEstimate]:
             for combination in itertools.product(*settings.values())]
 
 
-def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
+def _estimate(s: Setup) -> MemoryEstimate:
     p, n = s.parameters, s.replicas
     # Stage 1 shards the flat buffers' slots (kmp.flat), padded to N equal shards; Lamb and the
     # per-variable path keep them whole. Keras's slot variables stay whole on every replica.
     sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb"
-    shard = -(-p // n) if sharded else p
-    state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
-    if s.states == "8bit":  # per variable (no flat buffers): a byte per moment, a float32 scale per block
-        state = s.slots * (p + 4 * (-(-p // block_size) if s.scale_blocks is None else s.scale_blocks))
+    if s.states == "8bit":
+        # A byte per moment and a float32 scale per block of each variable. The flat buffers start
+        # every variable on a block and shard by whole blocks (kmp.flat).
+        blocks = sum(-(-k // s.block_size) for k in (s.sizes or (p,)))
+        flat_p = blocks * s.block_size
+        state = s.slots * (p + 4 * blocks)
+        flat_state = s.slots * (-(-blocks // n) if sharded else blocks) * (s.block_size + 4)
+    else:
+        flat_p = p
+        state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * (-(-p // n) if sharded else p)
     sums = 4 * p * s.accumulating
     scalars = s.scalars
     if scalars is None:  # as kmp.wrap builds the optimizer: kmp's for float16, replicas, accumulation, the engine
@@ -210,7 +221,7 @@ def _estimate(s: Setup, block_size: int) -> MemoryEstimate:
     return MemoryEstimate(
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
         accumulators=sums + s.other_sums,
-        flat_copies=(4 * p + flat_state + sums + 4 * p * (s.optimizer == "lamb")) * s.flat_buffers,
+        flat_copies=(4 * flat_p * (1 + s.accumulating + (s.optimizer == "lamb")) + flat_state) * s.flat_buffers,
         scalars=scalars + ACCUMULATION_SCALARS * s.accumulating, parameters=p, optimizer=s.optimizer,
         precision=s.precision, replicas=n, stage=s.stage, states=s.states,
         gradient_accumulation_steps=s.gradient_accumulation_steps, flat_buffers=s.flat_buffers)
@@ -224,10 +235,7 @@ def _check(s: Setup, problems: list[Problem]) -> None:
             s.optimizer not in EIGHT_BIT_OPTIMIZERS):
         problems.append(Problem("states", f"'32bit' with {s.optimizer!r} (8-bit states are for "
                                 f"{' and '.join(EIGHT_BIT_OPTIMIZERS)})", s.states, "Use states='32bit'."))
-    if s.flat_buffers and s.states == "8bit":
-        problems.append(Problem("flat_buffers", "False with 8-bit states (kmp.Adam8bit and AdamW8bit update per "
-                                "variable)", True, "Use flat_buffers=False, or states='32bit'."))
-    elif s.flat_buffers and (s.optimizer not in FLAT_OPTIMIZERS or s.slots != SLOTS[s.optimizer]):
+    if s.flat_buffers and (s.optimizer not in FLAT_OPTIMIZERS or s.slots != SLOTS[s.optimizer]):
         problems.append(Problem("flat_buffers", f"False with {s.optimizer!r} (kmp.flat updates "
                                 f"{', '.join(FLAT_OPTIMIZERS)}, without amsgrad)", True, "Use flat_buffers=False."))
     elif s.flat_buffers and s.parameter_bytes != 4 * s.parameters:

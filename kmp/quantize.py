@@ -74,6 +74,11 @@ def dynamic_map(signed: bool) -> np.ndarray:
     return _dynamic_map(bool(signed)).copy()
 
 
+def zero_code(signed: bool) -> int:
+    """The index of 0.0 in dynamic_map(signed): what a zero quantizes to, in any block."""
+    return int(np.flatnonzero(_dynamic_map(bool(signed)) == 0.0)[0])
+
+
 def _lower_midpoints(code) -> np.ndarray:
     """The 255 midpoints of neighbouring code values, each rounded down to float32, then +inf: 256 entries.
 

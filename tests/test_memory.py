@@ -147,10 +147,12 @@ def test_8bit_states_are_a_byte_per_moment_and_a_scale_per_block():
     blocks = -(-P // 256)
     e = kmp.memory_estimate(P, states="8bit")
     assert e.optimizer_state == 2 * (P + 4 * blocks)
-    # They update per variable: no flat buffers, so stage 1 shards nothing.
-    assert kmp.memory_estimate(P, states="8bit", stage=1, replicas=8).optimizer_state == 2 * (P + 4 * blocks)
-    with pytest.raises(kmp.ConfigError, match="flat_buffers: expected False with 8-bit states"):
-        kmp.memory_estimate(P, states="8bit", flat_buffers=True)
+    # Keras's copy stays whole at stage 1; the flat buffers' codes and scales are sharded by whole
+    # blocks, and their weights padded to whole blocks (a count is one tensor here).
+    one = kmp.memory_estimate(P, states="8bit", stage=1, replicas=8, flat_buffers=True)
+    assert one.optimizer_state == 2 * (P + 4 * blocks)
+    assert one.flat_copies == 4 * 256 * blocks + 2 * -(-blocks // 8) * (256 + 4)
+    assert kmp.memory_estimate(P, states="8bit", stage=1, replicas=8).flat_copies == 0
     assert kmp.memory_estimate(P, optimizer="adamw", states="8bit", block_size=2048).optimizer_state == (
         2 * (P + 4 * -(-P // 2048)))
 
@@ -266,8 +268,5 @@ def test_the_docs_table_is_what_kmp_computes():
         settings = dict(replicas=int(replicas), stage=int(stage), states=states.strip("`"))
         e = kmp.memory_estimate(P, **settings)
         assert (state, per_variable) == (memory._size(e.optimizer_state), memory._size(e.total)), row
-        if settings["states"] == "8bit":
-            assert flat == "per variable only", row
-        else:
-            assert flat == memory._size(kmp.memory_estimate(P, flat_buffers=True, **settings).total), row
+        assert flat == memory._size(kmp.memory_estimate(P, flat_buffers=True, **settings).total), row
         assert status == "tested", row

@@ -27,10 +27,17 @@ def _pair(two_replicas, optimizer="adamw", epochs=2, policy="float32", **wrap_ar
     return [m for m, _ in runs], [h["loss"] for _, h in runs]
 
 
-def _assert_same(a, b):
+def _assert_same(a, b, eight_bit=False):
+    """Bit for bit; with 8-bit states, within the issue's 1e-6 relative: XLA fuses the quantizing
+    update of a shard differently from the whole buffer's, an ulp here and there."""
     assert len(a) == len(b)
     for u, v in zip(a, b):
-        np.testing.assert_array_equal(u, v)
+        if not eight_bit:
+            np.testing.assert_array_equal(u, v)
+        elif u.dtype == np.uint8:  # a code may move to its neighbour, rarely
+            assert np.abs(u.astype(int) - v).max(initial=0) <= 1 and np.mean(u != v) <= 0.02
+        else:
+            np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("optimizer, wrap_args", [
@@ -38,19 +45,22 @@ def _assert_same(a, b):
     ("sgd", {"gradient_accumulation_steps": 3}),
     ("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
     ("lion", {}),
-    ("adagrad", {}),
+    ("adamw8bit", {"gradient_accumulation_steps": 2}),  # codes and scales, sharded by whole blocks
 ])
 def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
     (whole, sharded), (whole_loss, sharded_loss) = _pair(two_replicas, optimizer, **wrap_args)
     buffers = engine.engine_of(sharded).buffers
     assert buffers.sharded and not engine.engine_of(whole).buffers.sharded
     local = two_replicas.experimental_local_results
-    # 161 parameters: two shards of 81, the second padded by one.
+    # 161 parameters: two shards of 81, the second padded by one. In blocks of
+    # 8 (8-bit states) each variable is padded to whole blocks: 168, and two
+    # shards of 11 blocks; one scale per block.
+    size, shard = (168, 88) if optimizer == "adamw8bit" else (161, 81)
     for name, variable in buffers.buffers.items():
-        expected = [81] if name in buffers.slot_names else [161]
+        expected = [size] if name not in buffers.slot_names else [shard // 8] if "scales" in name else [shard]
         assert [c.shape.as_list() for c in local(variable)] == [expected, expected], name
-    _assert_same(_raw(whole), _raw(sharded))  # weights, and the slots gathered back into Keras's variables
-    assert whole_loss == sharded_loss
+    _assert_same(_raw(whole), _raw(sharded), eight_bit=optimizer == "adamw8bit")  # slots: gathered back
+    np.testing.assert_allclose(whole_loss, sharded_loss, rtol=1e-6 if optimizer == "adamw8bit" else 0)
 
 
 def test_a_hundred_steps_in_float32(two_replicas):
@@ -79,21 +89,31 @@ def test_overflows_skip_on_every_shard_and_the_scale_moves_the_same(two_replicas
     _assert_same(_raw(whole), _raw(sharded))
 
 
-def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas):
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas, eight_bit):
     runs = []
     for stage in (0, 1):
         keras.utils.set_random_seed(0)
         with two_replicas.scope():
             model = _WithUnused()
             model(np.zeros((1, 6), "float32"))
-            model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.AdamW(1e-2, weight_decay=0.1),
-                                                           zero_stage=stage), loss="mse")
-        initial = np.array(model.unused.kernel)
+            inner = (kmp.AdamW8bit(1e-2, weight_decay=0.1, block_size=8) if eight_bit else
+                     keras.optimizers.AdamW(1e-2, weight_decay=0.1))
+            model.compile(optimizer=kmp.LossScaleOptimizer(inner, zero_stage=stage), loss="mse")
+            model.optimizer.build(model.trainable_variables)
+        # Moments left from earlier training: an update of this variable would move them.
+        slots = [getattr(inner, name)[inner._get_variable_index(v)] for v in model.unused.weights
+                 for name in (("_moment_codes", "_moment_scales") if eight_bit else ("_momentums",))]
+        for slot in slots:
+            slot.assign(np.full(slot.shape, 200 if slot.dtype == "uint8" else 0.5, slot.dtype))
+        initial = [np.array(v) for v in model.unused.weights + slots]
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
         assert engine.engine_of(model).buffers.sharded == bool(stage)
-        np.testing.assert_array_equal(np.array(model.unused.kernel), initial)
+        # Its weights and its slots (8-bit: codes and the scales of its blocks) as they were.
+        for before, after in zip(initial, model.unused.weights + slots):
+            np.testing.assert_array_equal(np.array(after), before)
         runs.append(_raw(model))
-    _assert_same(*runs)
+    _assert_same(*runs, eight_bit=eight_bit)
 
 
 # --- Checkpoints hold the whole state ----------------------------------------------
@@ -121,10 +141,11 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_p
     _assert_same(*continued)
 
 
-def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas):
-    (_, sharded), _ = _pair(two_replicas, "adam", epochs=1)
+@pytest.mark.parametrize("optimizer", ["adam", "adamw8bit"])
+def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas, optimizer):
+    (_, sharded), _ = _pair(two_replicas, optimizer, epochs=1)
     path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
-    restored = _model(two_replicas, "adam", zero_stage=1)
+    restored = _model(two_replicas, optimizer, zero_stage=1)
     with two_replicas.scope():
         restored.optimizer.build(restored.trainable_variables)
     tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path).assert_existing_objects_matched()
