@@ -118,6 +118,12 @@ class Engine:
         self.observe()  # what was not written must be current too
         self.state = KERAS
 
+    def release(self) -> None:
+        """Before Keras's per-variable update trains the model instead: its slot variables current,
+        on every replica (kmp.zero), and loaded again if the buffers come back."""
+        self.written()
+        self.buffers.place_slots(on_host=False)
+
     # --- The step (replica context) ---
 
     @tf.autograph.experimental.do_not_convert

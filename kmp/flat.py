@@ -50,7 +50,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import fused, overflow
+from kmp import fused, overflow, zero
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.tpu import is_tpu_strategy
 
@@ -143,6 +143,7 @@ class FlatBuffers:
         self.sharded = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
         # Shards of whole blocks, so that no block of 8-bit states is split between replicas.
         self.shard = -(-self.size // (self.replicas * self.block)) * self.block if self.sharded else self.size
+        self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         with self.strategy.scope():
             self.buffers = {
@@ -161,6 +162,13 @@ class FlatBuffers:
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
         self.missing = ()  # model positions of the variables without a gradient (see join)
+
+    def place_slots(self, on_host: bool) -> None:
+        """Sharded: Keras's whole copy of the slots once in host memory, or (for Keras's own
+        per-variable update) one per replica again (kmp.zero). Unsharded: nothing moves."""
+        if self.sharded:
+            slots = [v for name in self.slot_names for v in self.mirrors[name]]
+            zero.to_host(slots) if on_host else zero.to_replicas(slots, self.strategy)
 
     # --- In a step (replica context) ---
 
@@ -370,7 +378,9 @@ class FlatBuffers:
             # A shard's whole buffer is every replica's shard (kmp.zero: all replicas are local).
             buffers = {n: local(b) if self.sharded and n in self.slot_names else local(b)[k]
                        for n, b in self.buffers.items()}
-            mirrors = {n: [local(_tf_variable(v))[k] for v in vs] for n, vs in self.mirrors.items()}
+            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in vs] for n, vs in self.mirrors.items()}
+            if k and direction == "store":  # one copy in host memory (kmp.zero): stored once
+                buffers = {n: b for n, b in buffers.items() if not zero.on_host(self.mirrors[n][0])}
             with tf.device(local(self.buffers["weights"])[k].device):
                 copy(buffers, mirrors, k * self.shard)
 
@@ -403,6 +413,11 @@ class _Masked:
 
     def assign(self, value):
         return self.variable.assign(tf.where(self.keep, value, self.old))
+
+
+def _component(components, k):
+    """Replica k's component of a variable; the one variable of one held in host memory (kmp.zero)."""
+    return components[k] if len(components) > 1 else components[0]
 
 
 def _elements(shape) -> int:

@@ -13,7 +13,8 @@ N replicas:
     weights          P*b + the non-trainable variables (BatchNorm statistics, seeds), as the model holds them
     gradients        P*b      transient, in no variable: one gradient (the engine's is one flat float32
                               tensor; per-variable, one tensor per variable); a step may briefly hold two
-    optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole at any stage. 8-bit
+    optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole; at stage 1 on the flat
+                              buffers held once per process in host memory instead (`host`, kmp.zero). 8-bit
                               (kmp.Adam8bit, kmp.AdamW8bit): per slot 1 byte per parameter and one
                               float32 scale per block (BLOCK_SIZE) of each variable's
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
@@ -34,10 +35,10 @@ keeps no 16-bit copy, and its float32 masters are the Keras variables, which
 no stage shards: Adam at stage 0 is 4 + 4 + 8 = 16 bytes per parameter.
 
 Stage 1 shards the state the step updates, the flat buffers' slots
-(kmp.flat); Keras's slot variables stay whole on every replica as the
-observable copy (saved, read by callbacks), so per replica the optimizer
-state is k*P*b + k*4*ceil(P/N), not k*4*ceil(P/N) as in DeepSpeed (issue 13
-is open on that). 8-bit states (kmp.eight_bit) as bitsandbytes keeps them
+(kmp.flat); Keras's slot variables, the observable copy (saved, read by
+callbacks), are held once per process in host memory (kmp.zero.to_host), so
+a replica device holds k*4*ceil(P/N) of optimizer state, as in DeepSpeed,
+and the host k*P*b more. 8-bit states (kmp.eight_bit) as bitsandbytes keeps them
 (bitsandbytes-foundation/bitsandbytes bitsandbytes/optim/optimizer.py at
 95f9af30: uint8 moments, one float32 absmax per block of 256; 2048 before
 aa57bd89, 2024), in blocks per variable; kmp quantizes every variable
@@ -100,8 +101,15 @@ class Bytes:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryEstimate(Bytes):
-    """memory_estimate's answer: bytes per replica, and the settings they are for."""
+    """memory_estimate's answer: bytes per replica, and the settings they are for.
 
+    `host`: bytes held once per process in host memory, on no replica device
+    (Keras's copy of the optimizer state at stage 1 on the flat buffers,
+    kmp.zero); not in `total`. Where the replicas are CPU devices, replica
+    0's device is the host and holds it too.
+    """
+
+    host: int = 0
     parameters: int
     optimizer: str
     precision: str
@@ -123,7 +131,10 @@ class MemoryEstimate(Bytes):
         rows = [f"kmp memory per replica: {_count(self.parameters)} parameters, {self.options()}"]
         rows += [f"  {c.replace('_', ' '):16}{_size(getattr(self, c)):>12}" + " (transient)" * (c == "gradients")
                  for c in CATEGORIES]
-        return "\n".join(rows + [f"  {'total':16}{_size(self.total):>12}"])
+        rows.append(f"  {'total':16}{_size(self.total):>12}")
+        if self.host:
+            rows.append(f"  {'host memory':16}{_size(self.host):>12} once per process (Keras's copy of the state)")
+        return "\n".join(rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +211,8 @@ def estimates(parameters, **settings) -> list[MemoryEstimate]:
 def _estimate(s: Setup) -> MemoryEstimate:
     p, n = s.parameters, s.replicas
     # Stage 1 shards the flat buffers' slots (kmp.flat), padded to N equal shards; Lamb and the
-    # per-variable path keep them whole. Keras's slot variables stay whole on every replica.
-    sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb"
+    # per-variable path keep them whole.
+    sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb" and n > 1
     if s.states == "8bit":
         # A byte per moment and a float32 scale per block of each variable. The flat buffers start
         # every variable on a block and shard by whole blocks (kmp.flat).
@@ -218,7 +229,10 @@ def _estimate(s: Setup) -> MemoryEstimate:
         kmp_optimizer = s.precision in ("mixed_float16", "float16") or n > 1 or s.accumulating or s.flat_buffers or (
             s.stage == 1 or s.states == "8bit")
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
+    # Sharded, Keras's copy of the slots is held once in host memory, not per replica (kmp.zero).
+    host, state = (state, 0) if sharded else (0, state)
     return MemoryEstimate(
+        host=host,
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
         accumulators=sums + s.other_sums,
         flat_copies=(4 * flat_p * (1 + s.accumulating + (s.optimizer == "lamb")) + flat_state) * s.flat_buffers,

@@ -58,6 +58,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "tensorflow.python.saved_model.registration", "register_checkpoint_saver",
         "kmp.LossScaleOptimizer with accumulation: tf.train.Checkpoint saves every replica's open window",
     ),
+    "ResourceVariable": (
+        "tensorflow.python.ops.resource_variable_ops", "ResourceVariable",
+        "ZeRO stage 1 (kmp.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable is mirrored",
+    ),
     "TFOptimizer": (
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
@@ -96,6 +100,9 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_overwrite_variable_with_gradient",
         "_momentums",              # Adam, AdamW
         "_velocities",             # Adam, AdamW
+    ),
+    "keras.Variable (TensorFlow backend)": (
+        "_value",                  # kmp.zero: the TensorFlow variable behind it, moved to host memory and back
     ),
     "keras TFOptimizer": (
         "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored

@@ -1,6 +1,22 @@
-"""ZeRO stage 1's all-gather of the weights, by hand, for the replicas of one process.
+"""ZeRO stage 1 for the replicas of one process: the weights' all-gather, and where Keras's slot copy lives.
 
     gather(buffers, new_shard)      # every replica, in replica context, every step
+    to_host(slot_variables)         # when the sharded buffers are built
+    to_replicas(slot_variables, strategy)   # when the per-variable path takes over again
+
+Keras's slot variables are, with the flat buffers, only the observable copy
+of the optimizer state: the step updates the buffers' shards, and kmp.flat
+copies the gathered shards into the Keras variables when something can
+observe them (a save, a callback, the end of fit()). Left mirrored, that copy
+is whole on every replica and stage 1 would save no device memory. So at
+stage 1 each slot variable's TensorFlow variable becomes one plain variable
+in host memory (`HOST`, the process's CPU), once per process: every replica
+device then holds 1/N of the state. The Keras variable object stays the
+same (its `_value` changes), so its path, its checkpoint key, the optimizer's
+lists and the `.keras` format are untouched. A mirrored variable would make
+each replica's per-variable update write the one host copy N times over:
+before Keras's own per-variable update runs again (kmp.distribute.fit), the
+slots go back to one component per replica.
 
 After each replica has updated its shard of the flat weights (kmp.flat,
 `update_shard`), every replica's whole weights must hold every new shard.
@@ -21,7 +37,12 @@ faster in the combinations measured with the gathers above (1.12-1.22x).
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
+
+from kmp import seams
+
+HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 def gather(buffers, shard) -> None:
@@ -34,3 +55,31 @@ def _gather(strategy, buffers, shard):
     for weights in strategy.experimental_local_results(buffers.buffers["weights"]):
         with tf.device(weights.device):
             weights.assign(whole)
+
+
+def to_host(variables) -> None:
+    """Each Keras variable's mirrored TensorFlow variable replaced by one plain variable on HOST, same value."""
+    for variable in variables:
+        value = variable.value
+        if not isinstance(value, tf.distribute.DistributedValues):
+            continue  # already one variable (on one device, or moved before)
+        with tf.init_scope(), tf.device(HOST):
+            # ResourceVariable itself: tf.Variable inside a strategy's scope would be mirrored again.
+            variable._value = seams.get("ResourceVariable")(
+                initial_value=value.read_value(), trainable=False, name=value.name.split(":")[0])
+
+
+def to_replicas(variables, strategy) -> None:
+    """The reverse of to_host: each variable mirrored over `strategy`'s replicas again, same value."""
+    for variable in variables:
+        value = variable.value
+        if isinstance(value, tf.distribute.DistributedValues):
+            continue
+        with tf.init_scope(), strategy.scope():
+            variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0])
+
+
+def on_host(variable) -> bool:
+    """True if `variable` (a Keras variable) was moved to one plain variable by to_host."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return not isinstance(value, tf.distribute.DistributedValues)

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import engine
+from kmp import engine, zero
 from test_engine import _WithUnused, _data, _Interrupt, _model, _raw, _trained
 
 
@@ -212,6 +212,33 @@ def test_lamb_keeps_whole_variables_and_says_why(two_replicas, caplog):
     assert engine.engine_of(model) is None
     assert "Lamb's trust ratio needs each variable whole" in caplog.text
     assert np.isfinite(logs["loss"]).all()
+
+
+def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memory(two_replicas):
+    (whole, sharded), _ = _pair(two_replicas, "adam", epochs=1)
+    slots = lambda model: [*model.optimizer.inner_optimizer._momentums, *model.optimizer.inner_optimizer._velocities]
+    assert all(zero.on_host(v) and v.value.device == zero.HOST for v in slots(sharded))
+    assert not any(zero.on_host(v) for v in slots(whole))
+
+    def state_bytes(model, device):
+        """Optimizer-state bytes on `device`: Keras's slot variables and the flat buffers' slots."""
+        buffers = engine.engine_of(model).buffers
+        variables = [v.value for v in slots(model)] + [buffers.buffers[n] for n in buffers.slot_names]
+        return sum(c.numpy().nbytes for v in variables for c in two_replicas.experimental_local_results(v)
+                   if tf.DeviceSpec.from_string(c.device) == tf.DeviceSpec.from_string(device))
+
+    # 161 parameters, Adam: 1288 bytes of state per replica on the per-variable path; at stage 0 the
+    # flat engine holds them twice, at stage 1 each replica device one shard of 81 (the last padded by 1).
+    replica_1 = "/job:localhost/replica:0/task:0/device:CPU:1"
+    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (2 * 1288, 8 * 81)
+    assert state_bytes(sharded, zero.HOST) == 1288 + 8 * 81  # replica 0's device is the host here
+    # Keras's per-variable update needs the slots on every replica: they go back, and to the host again.
+    for flat_buffers in (False, True):
+        for model in (whole, sharded):
+            kmp.prepare(model, flat_buffers=flat_buffers).fit(*_data(), batch_size=8, epochs=1, shuffle=False,
+                                                              verbose=0)
+        assert all(zero.on_host(v) == flat_buffers for v in slots(sharded))
+        _assert_same(_raw(whole), _raw(sharded))
 
 
 def test_one_device_has_one_shard(two_replicas):

@@ -267,7 +267,7 @@ def flat_reason(model) -> str | None:
 def _engine_for(model):
     """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
     if not getattr(model, "_kmp_flat_buffers", False):
-        return None
+        return _no_engine(model, "flat_buffers=False")  # (says nothing: not asked for)
     reason = flat_reason(model)
     if reason is not None:
         return _no_engine(model, reason)
@@ -279,13 +279,17 @@ def _engine_for(model):
     key = (id(model.optimizer), tuple(id(v) for v in model.trainable_variables))
     if current is None or current.buffers.key != key:
         if current is not None:
-            current.observe()  # the old buffers' last values, into the variables the new ones start from
+            current.release()  # the old buffers' last values, into the variables the new ones start from
         model.__dict__["_kmp_engine"] = engine.Engine(model)
+    else:
+        current.buffers.place_slots(on_host=True)  # back from a per-variable fit (_no_engine)
     return model.__dict__["_kmp_engine"]
 
 
 def _no_engine(model, reason: str) -> None:
     """None, after saying once per model and reason why the flat buffers are off (if they were asked for)."""
+    if engine.engine_of(model) is not None:
+        engine.engine_of(model).release()  # the per-variable update needs Keras's slots on every replica
     setting = getattr(model, "_kmp_flat_buffers", False)
     if setting and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
         model.__dict__["_kmp_flat_noted"].add(reason)
