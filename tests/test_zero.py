@@ -6,7 +6,10 @@ engine under MirroredStrategy on two logical CPUs, at `zero_stage=0` and
 element, so weights, slots and the loss-scale state agree bit for bit.
 """
 
+import json
 import logging
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -239,6 +242,41 @@ def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memo
                                                               verbose=0)
         assert all(zero.on_host(v) == flat_buffers for v in slots(sharded))
         _assert_same(_raw(whole), _raw(sharded))
+
+
+_HOST_APART = """
+import json
+import tensorflow as tf
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 3)
+import keras, numpy as np, kmp
+from kmp import engine
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:2"])  # CPU:0, the host, holds no replica
+with strategy.scope():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-3), zero_stage=1), loss="mse")
+x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+kmp.prepare(model, flat_buffers=True).fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)
+inner, buffers = model.optimizer.inner_optimizer, engine.engine_of(model).buffers
+state = [v.value for v in inner._momentums + inner._velocities] + [buffers.buffers[n] for n in buffers.slot_names]
+held = {}
+for variable in state:
+    for c in strategy.experimental_local_results(variable):
+        device = tf.DeviceSpec.from_string(c.device).device_index
+        held[device] = held.get(device, 0) + c.numpy().nbytes
+print(json.dumps(held))
+"""
+
+
+@pytest.mark.slow
+def test_with_the_host_apart_from_the_replicas_each_replica_device_holds_half_the_state():
+    # As on a machine of accelerators: three logical CPUs, replicas on CPU:1 and CPU:2, the host CPU:0.
+    done = subprocess.run([sys.executable, "-c", _HOST_APART], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+    # 129 parameters, Adam: 8 * 129 = 1032 bytes of state unsharded; a shard is 65 elements.
+    assert held == {0: 1032, 1: 8 * 65, 2: 8 * 65}
 
 
 def test_one_device_has_one_shard(two_replicas):
