@@ -35,11 +35,34 @@ Measured 2026-11-25 on this 2-core VM (`--rounds 5 --steps 30`, 10 min):
     bytes per device, optimizer state | flat copies:
       stage 0 134,299,656 | 201,449,484     stage 1 134,299,656 | 134,299,660
 
-Stage 1 is 8-9% slower per step here: on two logical devices that share
+Again 2026-11-25, later (`--quick`: the MLP only, 3 rounds of 15 steps;
+this run's machine was slower throughout), with the 8-bit rows and
+Keras's copy of the state in host memory at stage 1 (kmp.zero.to_host):
+
+    MLP 40x256, mixed_float16, batch 64         median ms   spread       ratio
+    kmp, flat buffers, stage 0                  103.8       93.0-109.8   1.00x
+    kmp, flat buffers, stage 1                  121.9      104.1-127.8   1.17x
+    kmp, 8-bit states, stage 0                  265.0      229.5-269.7   2.55x
+    kmp, 8-bit states, stage 1                  171.5      170.5-191.2   1.65x
+    stock Keras, Mirrored                       140.2      116.1-146.0   1.35x
+    stock Keras, one device, whole-step XLA      60.0       53.7-60.5    0.58x
+    whole fit() s: 2.83 | 2.93 | 5.55 | 3.93 | 2.91 | 0.99
+    bytes per device, optimizer state | flat copies (CPU:0 is also the host):
+      32-bit stage 0  CPU:0 21,055,496 | 31,583,244   CPU:1 21,055,496 | 31,583,244
+      32-bit stage 1  CPU:0 21,055,496 | 21,055,500   CPU:1          0 | 21,055,500
+      8-bit  stage 0  CPU:0  5,346,130 | 15,875,408   CPU:1  5,346,130 | 15,875,408
+      8-bit  stage 1  CPU:0  5,346,130 | 13,202,088   CPU:1          0 | 13,202,088
+
+The 8-bit update (dequantize, Adam, quantize by an 8-step search) is the
+larger part of its step, so there stage 1, which halves it, is faster than
+stage 0 (0.65x); for 32-bit states it is not.
+
+Stage 1 is 8-9% slower per step here (first run): on two logical devices that share
 two cores and one memory, the two replicas' updates already ran in
 parallel, and halving each costs a gather of the whole weights (kmp.zero
-says which gathers were tried). The flat slots shrink by half; Keras's
-slot variables (the optimizer-state column) do not (docs/zero.md). The
+says which gathers were tried). The flat slots shrink by half; in the first
+run Keras's slot variables (the optimizer-state column) stayed whole on
+each replica, since then they are held once in host memory (docs/zero.md). The
 whole fit() of the larger model varies by several seconds between calls
 (11-21 s for the same 30 steps measured apart): its steady ms per step is
 the figure to compare.
@@ -94,6 +117,8 @@ def main() -> None:
         models = {
             "kmp, flat buffers, stage 0": compiled(mirrored, lambda: kmp.wrap(adam(), zero_stage=0), 0),
             "kmp, flat buffers, stage 1": compiled(mirrored, lambda: kmp.wrap(adam(), zero_stage=1), 1),
+            "kmp, 8-bit states, stage 0": compiled(mirrored, lambda: kmp.wrap(adam(), states="8bit", zero_stage=0), 0),
+            "kmp, 8-bit states, stage 1": compiled(mirrored, lambda: kmp.wrap(adam(), states="8bit", zero_stage=1), 1),
             "stock Keras, Mirrored": compiled(mirrored, stock),
             "stock Keras, one device, whole-step XLA": compiled(tf.distribute.get_strategy(), stock,
                                                                 jit_compile=True),
@@ -111,7 +136,7 @@ def main() -> None:
         for name, values in seconds.items():
             print(f"  {name:44s} {statistics.median(values[-args.rounds:]):6.2f} s")
         print("bytes per replica device (kmp.measured_bytes): optimizer state | flat copies")
-        for name in ("kmp, flat buffers, stage 0", "kmp, flat buffers, stage 1"):
+        for name in [n for n in models if n.startswith("kmp")]:
             for device, held in kmp.measured_bytes(models[name]).items():
                 print(f"  {name:28s} {device.split('/')[-1]:12s} {held.optimizer_state:>12,} | "
                       f"{held.flat_copies:>12,}")

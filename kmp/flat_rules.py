@@ -127,7 +127,7 @@ class _Quantized:
 
 RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,
           keras.optimizers.Lion: Lion, keras.optimizers.Adagrad: Adagrad, keras.optimizers.Lamb: Lamb,
-         Adam8bit: EightBitAdam, AdamW8bit: EightBitAdam}
+          Adam8bit: EightBitAdam, AdamW8bit: EightBitAdam}
 HYPERPARAMETERS = {**fused._HYPERPARAMETERS, keras.optimizers.Lion: ("beta_1", "beta_2"),
                    keras.optimizers.Adagrad: ("epsilon",), keras.optimizers.Lamb: ("beta_1", "beta_2", "epsilon"),
                    Adam8bit: ("beta_1", "beta_2", "epsilon", "block_size"),
