@@ -87,9 +87,11 @@ def test_the_input_wait_lands_in_data_wait_and_the_step_in_fwd_bwd(capsys):
     model = kmp.prepare(_model(), wall_clock_breakdown=10)
     model.fit(data, epochs=1, verbose=0)
     *_, (_, _, last) = _lines(capsys.readouterr().out)
-    # Not the whole 30 ms: on a loaded machine tf.data's prefetch can still hold a batch made during
-    # the first steps' compile (24.4 ms measured once, with another test run competing for the cores).
-    assert last["data_wait"] > 20 and last["data_wait"] > 0.8 * last["total"], last
+    # Not the whole 30 ms: on a slow or loaded machine tf.data's prefetch can still hold a batch made
+    # during the first steps' compile, and fit()'s own loop ("other") grows (measured once: data_wait
+    # 23.6 of a 32.6 ms step, fwd_bwd 0.4, loss_scale 0.2). The wait must land in data_wait, not the step.
+    in_step = last["fwd_bwd"] + last["allreduce"] + last["loss_scale"] + last["step"]
+    assert last["data_wait"] > 20 and last["data_wait"] > 0.6 * last["total"] and last["data_wait"] > 5 * in_step, last
     assert last["fwd_bwd"] < 10 and last["step"] < 10, last
 
 
