@@ -319,8 +319,8 @@ def table(estimates) -> str:
     estimates = list(estimates)
     varying = [n for n in OPTIONS if len({e.options([n]) for e in estimates}) > 1] or ["replicas", "stage", "states"]
     shared = [n for n in OPTIONS if n not in varying]
-    heads = ("per replica", "weights", "gradients", "opt. state", "accum.", "flat copies", "scalars")
-    rows = [heads] + [(_size(e.total), *(_size(getattr(e, c)) for c in CATEGORIES)) for e in estimates]
+    heads = ("per replica", "weights", "gradients", "opt. state", "accum.", "flat copies", "scalars", "host, once")
+    rows = [heads] + [(_size(e.total), *(_size(getattr(e, c)) for c in CATEGORIES), _size(e.host)) for e in estimates]
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     options = ["options"] + [e.options(varying) for e in estimates]
     counts = ", ".join(dict.fromkeys(_count(e.parameters) for e in estimates))
