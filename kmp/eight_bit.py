@@ -79,32 +79,50 @@ class _EightBitStates:
         local_step = ops.cast(self.iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
-        signed, unsigned = quantize.dynamic_map(True), quantize.dynamic_map(False)
-        m = quantize.dequantize(self._moment_codes[index], self._moment_scales[index], signed, self.block_size)
-        v = quantize.dequantize(self._velocity_codes[index], self._velocity_scales[index], unsigned,
-                                self.block_size)
+        m, v = (moment.read_value() for moment in self._moments(index))
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         m = m + (gradient - m) * (1 - self.beta_1)
         v = v + (ops.square(gradient) - v) * (1 - self.beta_2)
         self.assign_sub(variable, ops.reshape(ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), self.epsilon)),
                                               variable.shape))
-        for codes, scales, value, code in ((self._moment_codes, self._moment_scales, m, signed),
-                                           (self._velocity_codes, self._velocity_scales, v, unsigned)):
-            q, scale = quantize.quantize(value, code, self.block_size)
-            self.assign(codes[index], q)
-            self.assign(scales[index], scale)
+        for moment, value in zip(self._moments(index), (m, v)):
+            q, scale = quantize.quantize(value, moment.code, self.block_size)
+            self.assign(moment.codes, q)
+            self.assign(moment.scales, scale)
 
     def moments(self, variable) -> tuple[tf.Tensor, tf.Tensor]:
         """(m, v) of `variable` as float32, dequantized (for inspection and tests)."""
-        index = self._get_variable_index(variable)
-        m = quantize.dequantize(self._moment_codes[index], self._moment_scales[index], quantize.dynamic_map(True),
-                                self.block_size)
-        v = quantize.dequantize(self._velocity_codes[index], self._velocity_scales[index],
-                                quantize.dynamic_map(False), self.block_size)
+        m, v = (moment.read_value() for moment in self._moments(self._get_variable_index(variable)))
         return ops.reshape(m, variable.shape), ops.reshape(v, variable.shape)
+
+    def _moments(self, index) -> tuple[Moment, Moment]:
+        """Variable `index`'s first (signed map) and second (unsigned map) moments."""
+        return (Moment(self._moment_codes[index], self._moment_scales[index], True, self.block_size),
+                Moment(self._velocity_codes[index], self._velocity_scales[index], False, self.block_size))
 
     def get_config(self):
         return {**super().get_config(), "block_size": self.block_size}
+
+
+class Moment:
+    """One 8-bit moment, its codes and scales (variables, or kmp.flat's buffers), read and assigned as float32."""
+
+    def __init__(self, codes, scales, signed: bool, block_size: int):
+        self.codes, self.scales, self.block_size = codes, scales, block_size
+        self.code = quantize.dynamic_map(signed)
+
+    def read_value(self):
+        return quantize.dequantize(_read(self.codes), _read(self.scales), self.code, self.block_size)
+
+    def assign(self, value):
+        codes, scales = quantize.quantize(value, self.code, self.block_size)
+        self.codes.assign(codes)
+        self.scales.assign(scales)
+
+
+def _read(variable):
+    # A TensorFlow variable, or kmp.flat's masked one, reads with read_value; a Keras variable converts itself.
+    return variable.read_value() if hasattr(variable, "read_value") else variable
 
 
 @keras.saving.register_keras_serializable(package="kmp")

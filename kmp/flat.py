@@ -98,8 +98,8 @@ def support(model: keras.Model) -> str | None:
 
 
 def sizes(variables) -> list[int]:
-    """Each variable's number of elements."""
-    return [int(tf.TensorShape(v.shape).num_elements()) for v in variables]
+    """Each variable's (or shape's) number of elements."""
+    return [int(tf.TensorShape(getattr(v, "shape", v)).num_elements()) for v in variables]
 
 
 class FlatBuffers:
@@ -345,7 +345,7 @@ class FlatBuffers:
         spans = [self._length(name, span) for span in self.spans]
         shapes = self.shapes if shapes is None else shapes
         return [tf.reshape(p if span == n else p[:n], s)
-                for p, span, n, s in zip(tf.split(flat, spans), spans, map(_elements, shapes), shapes)]
+                for p, span, n, s in zip(tf.split(flat, spans), spans, sizes(shapes), shapes)]
 
     def _joined(self, name, values):
         """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
@@ -418,10 +418,6 @@ class _Masked:
 def _component(components, k):
     """Replica k's component of a variable; the one variable of one held in host memory (kmp.zero)."""
     return components[k] if len(components) > 1 else components[0]
-
-
-def _elements(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
 
 
 def _tf_variable(variable):

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from kmp import fused, quantize
-from kmp.eight_bit import Adam8bit, AdamW8bit
+from kmp.eight_bit import Adam8bit, AdamW8bit, Moment
 
 ADAM_SLOTS = (("momentum", "_momentums"), ("velocity", "_velocities"))
 
@@ -104,25 +104,8 @@ class EightBitAdam:
     @staticmethod
     def update(s, h, value, grad, slots):
         m_codes, m_scales, v_codes, v_scales = slots
-        moments = (_Quantized(m_codes, m_scales, True, h["block_size"]),
-                   _Quantized(v_codes, v_scales, False, h["block_size"]))
+        moments = (Moment(m_codes, m_scales, True, h["block_size"]), Moment(v_codes, v_scales, False, h["block_size"]))
         return fused._Adam.update(s, h, value, grad, moments)
-
-
-class _Quantized:
-    """One 8-bit moment (codes and scales) read and assigned as float32, as kmp.eight_bit does per variable."""
-
-    def __init__(self, codes, scales, signed, block_size):
-        self.codes, self.scales, self.block_size = codes, scales, block_size
-        self.code = quantize.dynamic_map(signed)
-
-    def read_value(self):
-        return quantize.dequantize(self.codes.read_value(), self.scales.read_value(), self.code, self.block_size)
-
-    def assign(self, value):
-        codes, scales = quantize.quantize(value, self.code, self.block_size)
-        self.codes.assign(codes)
-        self.scales.assign(scales)
 
 
 RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,

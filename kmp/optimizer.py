@@ -86,7 +86,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             pre-divide factor), or a dict of its fields.
         zero_stage: 1 shards the optimizer state across the replicas
             (DeepSpeed's ZeRO stage 1, on kmp.prepare's flat buffers; see
-            docs/zero.md); 0 keeps it whole on every replica.
+            docs/zero.md); 0 keeps it whole on every replica. At 1 the
+            inner optimizer's slot variables, then only the observable
+            copy, are held once in host memory, not on every replica.
     """
 
     def __init__(
