@@ -36,7 +36,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from kmp import quantize
+from kmp import quantize, seams
 from kmp.errors import Problem, check
 
 STATES = ("32bit", "8bit")
@@ -59,6 +59,17 @@ class _EightBitStates:
     def build(self, var_list):
         if self.built:
             return
+        strategy = self._distribution_strategy
+        if seams.get("collective_all_reduce_multi_worker")(strategy):
+            # MultiWorkerMirroredStrategy broadcasts each new variable's initial value from the chief
+            # (CollectiveBcastSend), whose dtypes are bool, half, float, double, int32 and int64.
+            raise NotImplementedError(
+                f"kmp.{type(self).__name__}: expected one worker, or a strategy other than "
+                f"MultiWorkerMirroredStrategy. Received MultiWorkerMirroredStrategy over "
+                f"{strategy.num_replicas_in_sync} replicas: TensorFlow broadcasts every new variable's initial "
+                "value between workers, and its broadcast takes no uint8, the 8-bit states' dtype. Use "
+                "keras.optimizers.Adam or AdamW there; kmp.wrap(..., zero_stage=1) shards their state across "
+                "the replicas instead (docs/zero.md).")
         keras.optimizers.Optimizer.build(self, var_list)  # iterations, indices; not Adam's float32 slots
         self._moment_codes, self._moment_scales, self._velocity_codes, self._velocity_scales = [], [], [], []
         for variable in var_list:

@@ -33,6 +33,14 @@ something may have written them:
         BackupAndRestore says so itself);
         each overridden hook (epoch or batch) of a callback kmp does not know.
 
+Under MultiWorkerMirroredStrategy at ZeRO stage 1 each worker holds its
+replicas' shards of the optimizer state, and storing the state gathers the
+others' (a collective: kmp.zero). It is stored where every worker is at the
+same point: fit()'s epoch ends and end, callbacks' hooks, and the model's
+save, save_weights and its writers (TensorFlow's multi-worker rule: every
+worker calls them). Its other readers (get_weights, evaluate, predict, ...),
+which one worker may call alone, get the weights without the state.
+
 Callbacks known to read and write no weights in their batch hooks, or to do
 it only through the model's methods above, cost nothing per batch: Keras's
 History, ProgbarLogger, TerminateOnNaN, CSVLogger, TensorBoard,
@@ -59,6 +67,7 @@ from kmp.distribute import replica_step
 logger = logging.getLogger(__name__)
 
 FLAT, SAME, KERAS = "buffers newer", "same", "keras newer"
+STATE = "buffers' state newer"  # the weights stored, not the sharded state (several workers)
 
 # Where the flat weights are split into the variables' values: in the XLA
 # forward/backward (no copy), or before it, for models of more variables than
@@ -71,6 +80,7 @@ SPLIT_IN_XLA_UP_TO = 256
 
 _READERS = ("evaluate", "predict", "save", "save_weights", "get_weights", "test_on_batch", "predict_on_batch",
             "export")
+_SAVERS = ("save", "save_weights")  # the readers of the optimizer state
 _WRITERS = ("set_weights", "load_weights")
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_train_batch_begin",
           "on_train_batch_end", "on_batch_begin", "on_batch_end", "on_test_begin", "on_test_end",
@@ -109,10 +119,16 @@ class Engine:
             self.buffers.load()
             self.state = SAME
 
-    def observe(self) -> None:
-        if self.state == FLAT:
-            self.buffers.store()
-            self.state = SAME
+    def observe(self, state: bool = True) -> None:
+        """The Keras variables made current; with state=False, under several workers
+        at stage 1, all but the sharded state (no collective: see the module docstring)."""
+        if self.state not in (FLAT, STATE):
+            return
+        partial = not state and self.buffers.across_workers
+        names = [n for n in self.buffers.buffers
+                 if (self.state == FLAT or self.buffers.is_shard(n)) and not (partial and self.buffers.is_shard(n))]
+        self.buffers.store(names)
+        self.state = STATE if partial else SAME
 
     def written(self) -> None:
         self.observe()  # what was not written must be current too
@@ -227,11 +243,16 @@ def callbacks(model: keras.Model, given) -> list:
     return out
 
 
-def observe(model_or_callback, *_, **__) -> None:
-    """Before something reads the Keras variables of `model` (or a callback's model): they get the buffers."""
+def observe(model_or_callback, *_, state: bool = True, **__) -> None:
+    """Before something reads the Keras variables of `model` (or a callback's model): they get the buffers
+    (with state=False, all but a sharded state held by other workers: Engine.observe)."""
     engine = _engine_behind(model_or_callback)
     if engine is not None:
-        engine.observe()
+        engine.observe(state)
+
+
+def _observe_weights(model, *_, **__) -> None:
+    observe(model, state=False)
 
 
 def written(model_or_callback, *_, **__) -> None:
@@ -253,7 +274,8 @@ def install(model: keras.Model) -> None:
         stock = getattr(type(model), name, None)
         if stock is None:
             continue
-        method = _fit(stock) if name == "fit" else _calling_first(observe if name in _READERS else written, stock)
+        first = written if name in _WRITERS else observe if name in _SAVERS else _observe_weights
+        method = _fit(stock) if name == "fit" else _calling_first(first, stock)
         setattr(model, name, types.MethodType(method, model))
 
 
@@ -287,9 +309,13 @@ def _fit(stock):
         bound = parameters.bind(self, *args, **kwargs)
         bound.arguments["callbacks"] = callbacks(self, bound.arguments.get("callbacks"))
         try:
-            return stock(*bound.args, **bound.kwargs)
-        finally:
-            observe(self)
+            result = stock(*bound.args, **bound.kwargs)
+        except BaseException:
+            # The other workers may not come to a gather of the state: the weights only.
+            observe(self, state=False)
+            raise
+        observe(self)
+        return result
 
     return fit
 

@@ -50,7 +50,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp import fused, overflow, zero
+from kmp import fused, overflow, replica_state, zero
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.tpu import is_tpu_strategy
 
@@ -80,8 +80,6 @@ def support(model: keras.Model) -> str | None:
     if getattr(optimizer, "zero_stage", 0) and strategy.num_replicas_in_sync > 1:
         if getattr(RULES[type(inner)], "per_variable", False):
             return "ZeRO stage 1 shards the buffers by element, and Lamb's trust ratio needs each variable whole"
-        if len(strategy.extended.worker_devices) < strategy.num_replicas_in_sync:
-            return "ZeRO stage 1 across several workers is not built yet (one process's replicas only)"
     variables = model.trainable_variables
     if not variables:
         return "the model has no trainable variables"
@@ -143,6 +141,9 @@ class FlatBuffers:
         self.sharded = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
         # Shards of whole blocks, so that no block of 8-bit states is split between replicas.
         self.shard = -(-self.size // (self.replicas * self.block)) * self.block if self.sharded else self.size
+        # Other workers hold some shards: gathering them is a collective (kmp.zero).
+        self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
+        self.gather_slots = None  # kmp.zero.whole_slots's traced all-gather, under several workers
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         with self.strategy.scope():
@@ -168,7 +169,7 @@ class FlatBuffers:
         per-variable update) one per replica again (kmp.zero). Unsharded: nothing moves."""
         if self.sharded:
             slots = [v for name in self.slot_names for v in self.mirrors[name]]
-            zero.to_host(slots) if on_host else zero.to_replicas(slots, self.strategy)
+            zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy)
 
     # --- In a step (replica context) ---
 
@@ -328,11 +329,19 @@ class FlatBuffers:
 
     def load(self) -> None:
         """Keras variables -> buffers, on every local replica."""
-        self._copy("load")
+        self._copy("load", tuple(self.buffers))
 
-    def store(self) -> None:
-        """Buffers -> Keras variables, on every local replica."""
-        self._copy("store")
+    def store(self, names=None) -> None:
+        """Buffers (`names`, all by default) -> Keras variables, on every local replica.
+
+        Under several workers at stage 1, storing a slot buffer is a
+        collective every worker must join (kmp.zero.whole_slots).
+        """
+        self._copy("store", tuple(self.buffers) if names is None else tuple(names))
+
+    def is_shard(self, name: str) -> bool:
+        """Whether each replica holds only its shard of buffer `name`."""
+        return self.sharded and name in self.slot_names
 
     def store_weights_here(self) -> None:
         """Buffers -> this replica's Keras weights (in a step: an overflowing step's diagnosis reads them)."""
@@ -361,7 +370,7 @@ class FlatBuffers:
         """Each element's variable (its index in buffer order)."""
         return tf.repeat(tf.range(len(self.spans)), self.spans)
 
-    def _copy(self, direction: str) -> None:
+    def _copy(self, direction: str, names: tuple) -> None:
         # Component by component, each on its own device. Eagerly at first: a
         # traced graph of these thousands of ops took 7-14 s to optimize on its
         # first call, later calls 0.05 s, eager calls 0.3 s (1004 variables,
@@ -374,30 +383,32 @@ class FlatBuffers:
                 self._graphs[direction] = tf.function(copy, autograph=False)
             copy = self._graphs[direction]
         local = self.strategy.experimental_local_results
-        for k in range(len(local(self.buffers["weights"]))):
-            # A shard's whole buffer is every replica's shard (kmp.zero: all replicas are local).
-            buffers = {n: local(b) if self.sharded and n in self.slot_names else local(b)[k]
-                       for n, b in self.buffers.items()}
-            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in vs] for n, vs in self.mirrors.items()}
-            if k and direction == "store":  # one copy in host memory (kmp.zero): stored once
-                buffers = {n: b for n, b in buffers.items() if not zero.on_host(self.mirrors[n][0])}
+        # Stored whole, once, into Keras's one copy in host memory (kmp.zero).
+        whole = zero.whole_slots(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+        for k, replica in enumerate(self._replica_ids()):
+            buffers = {n: whole[n] if n in whole else local(self.buffers[n])[k]
+                       for n in names if not (k and n in whole)}
+            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
-                copy(buffers, mirrors, k * self.shard)
+                copy(buffers, mirrors, replica * self.shard)
+
+    def _replica_ids(self) -> list[int]:
+        """Each local replica's index among all replicas (its shard's), in local order."""
+        if "_ids" not in self.__dict__:
+            local = len(self.strategy.experimental_local_results(self.buffers["weights"]))
+            self._ids = ([int(i) for i in replica_state.replica_ids(self.strategy)] if self.across_workers
+                         else list(range(local)))
+        return self._ids
 
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             flat = self._joined(name, [v.read_value() for v in mirrors[name]])
-            if isinstance(buffer, tuple | list):  # a shard: this replica's part
-                buffer = buffer[offset // self.shard]
-                flat = self._shard_of(flat, offset, name)
-            buffer.assign(flat)
+            buffer.assign(self._shard_of(flat, offset, name) if self.is_shard(name) else flat)
 
     def _store_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            if isinstance(buffer, tuple | list):  # the shards, gathered
-                flat = tf.concat([b.read_value() for b in buffer], axis=0)[:self._length(name, self.size)]
-            else:
-                flat = buffer.read_value()
+            # A variable, or a sharded buffer gathered whole (zero padded at the end).
+            flat = buffer.read_value() if isinstance(buffer, tf.Variable) else buffer[:self._length(name, self.size)]
             for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
                 variable.assign(part)
 

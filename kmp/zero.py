@@ -1,7 +1,8 @@
-"""ZeRO stage 1 for the replicas of one process: the weights' all-gather, and where Keras's slot copy lives.
+"""ZeRO stage 1: the weights' all-gather, the slots gathered whole, and where Keras's slot copy lives.
 
     gather(buffers, new_shard)      # every replica, in replica context, every step
-    to_host(slot_variables)         # when the sharded buffers are built
+    whole_slots(buffers)            # eagerly, when the engine stores the state (a save, an epoch's end)
+    to_host(slot_variables, device) # when the sharded buffers are built
     to_replicas(slot_variables, strategy)   # when the per-variable path takes over again
 
 Keras's slot variables are, with the flat buffers, only the observable copy
@@ -10,8 +11,8 @@ copies the gathered shards into the Keras variables when something can
 observe them (a save, a callback, the end of fit()). Left mirrored, that copy
 is whole on every replica and stage 1 would save no device memory. So at
 stage 1 each slot variable's TensorFlow variable becomes one plain variable
-in host memory (`HOST`, the process's CPU), once per process: every replica
-device then holds 1/N of the state. The Keras variable object stays the
+in host memory (`host(strategy)`, the process's CPU), once per process: every
+replica device then holds 1/N of the state. The Keras variable object stays the
 same (its `_value` changes), so its path, its checkpoint key, the optimizer's
 lists and the `.keras` format are untouched. A mirrored variable would make
 each replica's per-variable update write the one host copy N times over:
@@ -20,13 +21,22 @@ slots go back to one component per replica.
 
 After each replica has updated its shard of the flat weights (kmp.flat,
 `update_shard`), every replica's whole weights must hold every new shard.
-TensorFlow's `ReplicaContext.all_gather` under MirroredStrategy all-reduces
-zero-padded copies (N times the bytes): stage 1 took 1.50-1.54x the step
-of stage 0 with it. All replicas of a MirroredStrategy live in this
-process (kmp.flat.support keeps stage 1 to one process), so here the shards
-are concatenated once and each device's weights assigned: 1.07-1.09x
+Under MirroredStrategy all replicas live in this process, and TensorFlow's
+`ReplicaContext.all_gather` there all-reduces zero-padded copies (N times
+the bytes): stage 1 took 1.50-1.54x the step of stage 0 with it. So here the
+shards are concatenated once and each device's weights assigned: 1.07-1.09x
 (benchmarks/p6_zero_stage1.py). Concatenating on each device (1.22-1.25x)
-and assigning slice by slice in place (1.15-1.18x) measured slower.
+and assigning slice by slice in place (1.15-1.18x) measured slower. Under
+MultiWorkerMirroredStrategy the other workers' shards are elsewhere:
+`all_gather` is there a collective all-gather of the equal shards.
+
+Storing the state under several workers is a collective too (each worker
+holds its replicas' shards only): kmp.engine gathers it where every worker
+is at the same point (fit()'s epoch ends and end, callbacks' hooks, and the
+model's save, save_weights, set_weights and load_weights, which
+TensorFlow's multi-worker rule has every worker call), and stores the
+weights alone, with no collective, for the readers one worker may call
+alone (get_weights, evaluate, predict, export).
 
 The gradient's reduce stays TensorFlow's all-reduce of the whole flat
 gradient (kmp.distribute.communication), each replica then taking its
@@ -42,12 +52,22 @@ import tensorflow as tf
 
 from kmp import seams
 
-HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
+def host(strategy) -> str:
+    """This process's CPU: where Keras's slot copy lives at stage 1."""
+    try:
+        device = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    except RuntimeError:  # the default strategy has no devices of its own
+        device = tf.DeviceSpec(job="localhost", replica=0, task=0)
+    return device.replace(device_type="CPU", device_index=0).to_string()
 
 
 def gather(buffers, shard) -> None:
     """Every replica's new `shard` (padded to buffers.shard) into every replica's whole weights."""
-    tf.distribute.get_replica_context().merge_call(_gather, args=(buffers, shard))
+    context = tf.distribute.get_replica_context()
+    if buffers.across_workers:
+        buffers.local("weights").assign(context.all_gather(shard, axis=0)[:buffers.size])
+    else:
+        context.merge_call(_gather, args=(buffers, shard))
 
 
 def _gather(strategy, buffers, shard):
@@ -57,13 +77,34 @@ def _gather(strategy, buffers, shard):
             weights.assign(whole)
 
 
-def to_host(variables) -> None:
-    """Each Keras variable's mirrored TensorFlow variable replaced by one plain variable on HOST, same value."""
+def whole_slots(buffers) -> dict:
+    """Each sharded slot buffer whole (this process's copy, zero padded at the end), by name.
+
+    Under several workers an all-gather: a collective every worker must join
+    at the same point (see the module docstring), traced once.
+    """
+    local = buffers.strategy.experimental_local_results
+    if not buffers.across_workers:
+        return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0) for n in buffers.slot_names}
+    if buffers.gather_slots is None:
+        buffers.gather_slots = tf.function(lambda: buffers.strategy.run(_all_gather_slots, args=(buffers,)),
+                                           autograph=False)
+    return {n: local(t)[0] for n, t in buffers.gather_slots().items()}
+
+
+def _all_gather_slots(buffers):
+    # float32 only: kmp.Adam8bit's uint8 states cannot be built under several workers (kmp.eight_bit).
+    return tf.distribute.get_replica_context().all_gather(
+        {n: buffers.local(n).read_value() for n in buffers.slot_names}, axis=0)
+
+
+def to_host(variables, device: str) -> None:
+    """Each Keras variable's mirrored TensorFlow variable replaced by one plain variable on `device`, same value."""
     for variable in variables:
         value = variable.value
         if not isinstance(value, tf.distribute.DistributedValues):
             continue  # already one variable (on one device, or moved before)
-        with tf.init_scope(), tf.device(HOST):
+        with tf.init_scope(), tf.device(device):
             # ResourceVariable itself: tf.Variable inside a strategy's scope would be mirrored again.
             variable._value = seams.get("ResourceVariable")(
                 initial_value=value.read_value(), trainable=False, name=value.name.split(":")[0])

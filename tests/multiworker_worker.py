@@ -2,14 +2,16 @@
 
 As a script (one process per worker, TF_CONFIG set by the test):
 
-    python tests/multiworker_worker.py OUT.json WINDOW_DIR
+    python tests/multiworker_worker.py OUT.json WINDOW_DIR ONE_DEVICE_DIR
 
 it resolves the strategy with `kmp.distribute.resolve_strategy()` (which must
 give MultiWorkerMirroredStrategy), records the errors of stock `fit()` and of
 `fit()` with only the first of prepare's two replacements, loads the open
 accumulation window saved in WINDOW_DIR by two replicas of one process,
 trains with `kmp.distribute.prepare`, resumes an accumulation window from
-kmp's BackupAndRestore (`resume_mid_window`), and writes all that to OUT.json.
+kmp's BackupAndRestore (`resume_mid_window`), trains at ZeRO stage 1 and
+resumes there the epoch saved on one device in ONE_DEVICE_DIR
+(`zero_stage1`), and writes all that to OUT.json.
 
 Imported as a file, `train(tf.distribute.get_strategy())` is the reference:
 the same model, data and global batches in one process.
@@ -67,7 +69,7 @@ def make_dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).with_options(options)
 
 
-def build_model(units=32, accumulation=None, steps_per_execution=1):
+def build_model(units=32, accumulation=None, steps_per_execution=1, zero_stage=0, inner=None):
     import keras
 
     import kmp
@@ -84,14 +86,15 @@ def build_model(units=32, accumulation=None, steps_per_execution=1):
     # tiny; with epsilon near the gradients' size, a gradient summed twice
     # or not averaged moves the weights by ~1e-2 and fails the parity test.
     optimizer = kmp.wrap(
-        keras.optimizers.Adam(1e-2, epsilon=0.1), initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS,
+        inner or keras.optimizers.Adam(1e-2, epsilon=0.1), initial_scale=INITIAL_SCALE,
+        dynamic_growth_steps=GROWTH_STEPS, zero_stage=zero_stage,
         **({} if accumulation is None else {"gradient_accumulation_steps": accumulation}),
     )
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
     return model
 
 
-def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> dict:
+def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero_stage=0) -> dict:
     """Train under `strategy`; weights, losses and loss-scale state, as JSON-able values.
 
     With `accumulation`, also counts the all-reduces this replica makes.
@@ -107,7 +110,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
     keras.utils.set_random_seed(0)
     x, y = make_data()
     with strategy.scope():
-        model = build_model(accumulation=accumulation, steps_per_execution=steps_per_execution)
+        model = build_model(accumulation=accumulation, steps_per_execution=steps_per_execution, zero_stage=zero_stage)
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
     reduce = kmp.distribute.communication.all_reduce_sum
 
@@ -135,6 +138,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1) -> d
         # The forward/backward XLA functions, one per local replica: the flat-buffer
         # engine's (prepare's default), else kmp.distribute.replica_step's.
         "flat_buffers": engine is not None,
+        "sharded": bool(engine and engine.buffers.sharded),
         "xla_per_replica": len(vars(engine).get("_steps", {})) if engine else len(vars(model).get("_kmp_replica_steps", {})),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
@@ -341,6 +345,82 @@ def resume_mid_window(strategy, directory) -> dict:
     return out
 
 
+def zero_stage1(strategy, directory, one_device_dir) -> dict:
+    """ZeRO stage 1 across the two workers (kmp.zero), beside train()'s stage-0 run:
+
+    - `trained`: train() at stage 1;
+    - `bytes`: the optimizer state this worker's device holds (its one replica):
+      the flat buffers' shards, and Keras's copy (once per process, on the host);
+    - `saved`: one epoch at stage 1, then every worker saves a `.keras` file
+      (the chief to `directory`, the other to workertemp_1, as TensorFlow's
+      multi-worker guide says); on the way the chief alone reads get_weights()
+      mid-epoch, which must not wait for worker 1 (no collective);
+    - `resumed`: the `.weights.h5` of one epoch on one device (written by the
+      test in `one_device_dir`) loaded at stage 1 on both workers, then the
+      second epoch;
+    - `eight_bit_error`: what building kmp.Adam8bit says here (its uint8
+      states cannot be created under several workers).
+    """
+    import keras
+    import numpy as np
+
+    import kmp
+    import kmp.engine
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    mine = directory if task == 0 else os.path.join(directory, f"workertemp_{task}")
+    os.makedirs(mine, exist_ok=True)
+    out = {"directory": directory, "trained": train(strategy, zero_stage=1)}
+
+    def state_bytes(model):
+        buffers = kmp.engine.engine_of(model).buffers
+        inner = model.optimizer.inner_optimizer
+        keras_copy = [v.value for v in inner.variables if v is not inner.iterations and kmp.zero.on_host(v)]
+        shards = [c for n in buffers.slot_names for c in strategy.experimental_local_results(buffers.buffers[n])]
+        return {"shards": sum(c.numpy().nbytes for c in shards),
+                "shard_elements": [int(c.shape[0]) for c in shards],
+                "keras_copy_on_host": sum(v.numpy().nbytes for v in keras_copy),
+                "host": kmp.zero.host(strategy), "replica_device": strategy.extended.worker_devices[0]}
+
+    class ChiefReadsWeights(keras.callbacks.Callback):
+        kmp_reads_weights = False  # no copies around it: the model's get_weights makes its own
+        read = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and task == 0:
+                self.read = [w.tolist() for w in self.model.get_weights()]
+
+    def model_and_data(inner=lambda: None):
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        with strategy.scope():  # the optimizer too: it keeps the strategy it was made under
+            model = build_model(zero_stage=1, inner=inner())
+        return kmp.prepare(model), make_data()
+
+    model, (x, y) = model_and_data()
+    reads = ChiefReadsWeights()
+    model.fit(make_dataset(x, y), epochs=1, verbose=0, shuffle=False, callbacks=[reads])
+    model.save(os.path.join(mine, "zero1.keras"))
+    out["saved"] = {"bytes": state_bytes(model), "chief_read_mid_epoch": reads.read is not None,
+                    "optimizer": [v.numpy().tolist() for v in model.optimizer.variables]}
+
+    model, (x, y) = model_and_data()
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    model.load_weights(os.path.join(one_device_dir, "epoch1.weights.h5"))
+    history = model.fit(make_dataset(x, y), epochs=1, verbose=0, shuffle=False)
+    out["resumed"] = {"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"],
+                      "sharded": kmp.engine.engine_of(model).buffers.sharded,
+                      "state": {k: float(getattr(model.optimizer, k).numpy()) for k in
+                                ("dynamic_scale", "iterations", "overflows", "skipped_steps")}}
+
+    try:
+        model_and_data(inner=lambda: kmp.Adam8bit(1e-2, block_size=8))[0].fit(make_dataset(x, y).take(1), verbose=0)
+    except NotImplementedError as error:
+        out["eight_bit_error"] = str(error)
+    return out
+
+
 def load_window(strategy, directory) -> dict:
     """Loads the open window that test_multiworker.py saved on two replicas of
     one process (`m.weights.h5`, `ckpt-1`): each worker's replica must get the
@@ -491,6 +571,8 @@ def main(argv: list[str]) -> int:
     result["forward_overflow"] = forward_overflow(strategy)
     phase("wall_clock_breakdown")
     result["wall_clock_breakdown"] = wall_clock_breakdown(strategy)
+    phase("zero_stage1")
+    result["zero_stage1"] = zero_stage1(strategy, os.path.join(os.path.dirname(argv[0]), "zero1"), argv[2])
     # Last: op determinism (for the byte comparison) stays on once set.
     tf.config.experimental.enable_op_determinism()
     phase("resume_mid_window")

@@ -189,7 +189,8 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
     keras_copy = 2 * (6000 + 300 + 900 + 3 + 4 * 31)  # whole: per replica, or once in host memory at stage 1
     assert (estimate.optimizer_state, estimate.host) == ((0, keras_copy) if replicas == 2 else (keras_copy, 0))
     for device, allocated in kmp.measured_bytes(flat).items():
-        host = estimate.host if device == zero.HOST else 0  # replica 0's device is the host here
+        # Replica 0's device is the host here.
+        host = estimate.host if device == zero.host(flat.distribute_strategy) else 0
         assert allocated == dataclasses.replace(estimate.in_variables(), optimizer_state=allocated.optimizer_state)
         assert allocated.optimizer_state == estimate.optimizer_state + host, device
 

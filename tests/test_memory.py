@@ -78,7 +78,8 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     assert len(measured) == replicas
     for device, allocated in measured.items():
         expected = estimate.in_variables()
-        if device == zero.HOST:  # replica 0's device is the host here: it holds Keras's copy at stage 1 too
+        # Replica 0's device is the host here: it holds Keras's copy at stage 1 too.
+        if device == zero.host(model.distribute_strategy):
             expected = dataclasses.replace(expected, optimizer_state=expected.optimizer_state + estimate.host)
         assert allocated == expected, device
     # By hand: float32 masters only (mixed precision keeps no 16-bit copy), the slots, the sums, the buffers.

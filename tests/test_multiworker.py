@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import kmp
 from kmp.launch import LocalJob
 
 pytestmark = pytest.mark.slow
@@ -38,11 +39,12 @@ def _load_worker_module():
 worker = _load_worker_module()
 
 
-def _run_workers(directory: Path, window_dir: Path, count: int = 2) -> list[dict]:
+def _run_workers(directory: Path, window_dir: Path, one_device_dir: Path, count: int = 2) -> list[dict]:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
     # kmp launch's machinery; TensorFlow's own thread counts, as these tests were timed with.
-    job = LocalJob(lambda i: [sys.executable, _WORKER, directory / f"worker{i}.json", window_dir], count,
+    arguments = [window_dir, one_device_dir]
+    job = LocalJob(lambda i: [sys.executable, _WORKER, directory / f"worker{i}.json", *arguments], count,
                    env=env, cwd=_ROOT, log_dir=directory, threads=False)
     with job:
         codes = job.wait(timeout=_DEADLINE_S)  # a peer of a dead worker would wait in its collectives
@@ -80,8 +82,25 @@ def mirrored_window(tmp_path_factory, two_replicas):
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory, mirrored_window):
-    return _run_workers(tmp_path_factory.mktemp("multiworker"), mirrored_window[0])
+def one_device_epoch(tmp_path_factory):
+    """The first of train()'s two epochs on one device, saved as `.weights.h5` (the workers resume it at ZeRO
+    stage 1); its optimizer variables."""
+    directory = tmp_path_factory.mktemp("one-device")
+    policy = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        model = kmp.prepare(worker.build_model())
+        model.fit(worker.make_dataset(*worker.make_data()), epochs=1, verbose=0, shuffle=False)
+        model.save_weights(str(directory / "epoch1.weights.h5"))
+    finally:
+        keras.config.set_dtype_policy(policy)
+    return directory, [v.numpy() for v in model.optimizer.variables]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, mirrored_window, one_device_epoch):
+    return _run_workers(tmp_path_factory.mktemp("multiworker"), mirrored_window[0], one_device_epoch[0])
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +317,92 @@ def test_wall_clock_breakdown_prints_on_the_chief_and_logs_on_every_worker(worke
     assert chief["keys"] == other["keys"] == sorted(f"wall_clock/{p}_ms" for p in (
         "data_wait", "fwd_bwd", "allreduce", "loss_scale", "step", "other", "total"))
     assert chief["total_ms"] > 0 and other["total_ms"] > 0
+
+
+# --- ZeRO stage 1 across the workers (kmp.zero) ---
+
+
+def test_zero_stage_1_across_workers_trains_as_stage_0(workers):
+    """Each worker updates its replica's half of the state and the weights are all-gathered: the same
+    loss-scale trajectory, losses and weights as the stage-0 run of the same workers."""
+    for w in workers:
+        sharded = w["zero_stage1"]["trained"]
+        assert sharded["sharded"] and not w["sharded"] and sharded["flat_buffers"]
+        assert sharded["state"] == w["state"]
+        assert sharded["loss"] == w["loss"] and sharded["eval_loss"] == w["eval_loss"]
+        for a, b in zip(sharded["weights"], w["weights"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_each_worker_device_holds_half_the_flat_state_and_keras_copy_once(workers):
+    # 577 parameters, Adam: a shard is ceil(577 / 2) = 289 elements of each moment (the last padded by 1).
+    for task, w in enumerate(workers):
+        held = w["zero_stage1"]["saved"]["bytes"]
+        assert held["shard_elements"] == [289, 289]
+        assert held["shards"] == 8 * 289 and held["keras_copy_on_host"] == 8 * 577
+        # One CPU per worker: the replica's device is the host, which holds Keras's copy (as CPU:0 does
+        # under MirroredStrategy in tests/test_zero.py).
+        assert held["host"] == held["replica_device"] == f"/job:worker/replica:0/task:{task}/device:CPU:0"
+
+
+def test_the_chief_alone_reads_its_weights_mid_epoch_with_no_collective(workers):
+    """get_weights() on one worker stores the weights only: a gather of the state there would have waited
+    for worker 1 until the collective timeout and failed the run."""
+    assert workers[0]["zero_stage1"]["saved"]["chief_read_mid_epoch"]
+
+
+def _loaded(path):
+    policy = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        return keras.models.load_model(path)
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def test_a_stage_1_save_on_two_workers_holds_the_whole_state_and_resumes_on_one_device(
+        workers, one_device_epoch, reference):
+    directory = Path(workers[0]["zero_stage1"]["directory"])
+    chief, other = _loaded(directory / "zero1.keras"), _loaded(directory / "workertemp_1" / "zero1.keras")
+    ours = [v.numpy() for v in chief.optimizer.variables]
+    # Every worker's file holds every replica's shard, as each worker's variables did when saved.
+    for a, b, saved in zip(ours, [v.numpy() for v in other.optimizer.variables],
+                           workers[0]["zero_stage1"]["saved"]["optimizer"], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, np.asarray(saved, a.dtype))
+    # ... and the same state as one epoch on one device, moments of both halves included, to float16's
+    # rounding (the gradient summed over two replicas here): within 1e-3 of each variable's largest entry.
+    moments = [v for v in chief.optimizer.inner_optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    assert len(moments) == 8 and all(np.any(v.numpy()) for v in moments)
+    for a, b in zip(ours, one_device_epoch[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.max(np.abs(b), initial=0)))
+    policy = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        history = kmp.prepare(chief).fit(worker.make_dataset(*worker.make_data()), epochs=1, verbose=0,
+                                         shuffle=False)
+    finally:
+        keras.config.set_dtype_policy(policy)
+    assert float(chief.optimizer.dynamic_scale.numpy()) == reference["state"]["scale"]
+    assert int(chief.optimizer.iterations.numpy()) == reference["state"]["iterations"]
+    np.testing.assert_allclose(history.history["loss"], reference["loss"][1:], rtol=1e-3)
+    for a, b in zip(chief.get_weights(), reference["weights"], strict=True):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-3, atol=1e-4)
+
+
+def test_a_one_device_save_resumes_at_stage_1_on_two_workers(workers, reference):
+    first, second = (w["zero_stage1"]["resumed"] for w in workers)
+    assert first["sharded"] and first == second
+    expected = reference["state"]
+    assert first["state"] == {"dynamic_scale": expected["scale"], "iterations": expected["iterations"],
+                              "overflows": expected["overflows"], "skipped_steps": expected["skipped_steps"]}
+    np.testing.assert_allclose(first["loss"], reference["loss"][1:], rtol=1e-3)
+    for a, b in zip(first["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+
+
+def test_adam8bit_says_plainly_why_it_cannot_be_built_across_workers(workers):
+    for w in workers:
+        assert w["zero_stage1"]["eight_bit_error"].startswith(
+            "kmp.Adam8bit: expected one worker, or a strategy other than MultiWorkerMirroredStrategy. "
+            "Received MultiWorkerMirroredStrategy over 2 replicas")

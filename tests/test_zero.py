@@ -220,7 +220,7 @@ def test_lamb_keeps_whole_variables_and_says_why(two_replicas, caplog):
 def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memory(two_replicas):
     (whole, sharded), _ = _pair(two_replicas, "adam", epochs=1)
     slots = lambda model: [*model.optimizer.inner_optimizer._momentums, *model.optimizer.inner_optimizer._velocities]
-    assert all(zero.on_host(v) and v.value.device == zero.HOST for v in slots(sharded))
+    assert all(zero.on_host(v) and v.value.device == zero.host(two_replicas) for v in slots(sharded))
     assert not any(zero.on_host(v) for v in slots(whole))
 
     def state_bytes(model, device):
@@ -234,7 +234,7 @@ def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memo
     # flat engine holds them twice, at stage 1 each replica device one shard of 81 (the last padded by 1).
     replica_1 = "/job:localhost/replica:0/task:0/device:CPU:1"
     assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (2 * 1288, 8 * 81)
-    assert state_bytes(sharded, zero.HOST) == 1288 + 8 * 81  # replica 0's device is the host here
+    assert state_bytes(sharded, zero.host(two_replicas)) == 1288 + 8 * 81  # replica 0's device is the host here
     # Keras's per-variable update needs the slots on every replica: they go back, and to the host again.
     for flat_buffers in (False, True):
         for model in (whole, sharded):
