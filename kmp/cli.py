@@ -110,7 +110,7 @@ def _launch(args: argparse.Namespace) -> int:
         for host, line in commands:
             print(f"{host}: {line}")
         return 0
-    return launch.run_local(command, args.workers or 1, timeout=args.timeout)
+    return launch.run_local(command, 1 if args.workers is None else args.workers, timeout=args.timeout)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import kmp
 
-PACKAGES = ("tensorflow", "keras", "tensorflow-datasets")
+PACKAGES = ("tensorflow", "keras", "tensorflow-datasets", "packaging")
 # /proc/cpuinfo flag -> why it matters (oneDNN picks its kernels by these).
 CPU_FLAGS = {
     "avx512_bf16": "bfloat16 dot products (oneDNN's native bfloat16 kernels)",

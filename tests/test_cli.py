@@ -186,7 +186,8 @@ def test_a_version_outside_the_pins_fails_the_report(monkeypatch):
     monkeypatch.setattr(env, "installed_version", lambda name: fake[name] if name in fake else real(name))
     rows, _ = env.versions()
     status = {row["name"]: row["status"] for row in rows}
-    assert status == {"python": "OK", "tensorflow": "MISMATCH", "keras": "MISSING", "tensorflow-datasets": "OK"}
+    assert status == {"python": "OK", "tensorflow": "MISMATCH", "keras": "MISSING", "tensorflow-datasets": "OK",
+                      "packaging": "OK"}
     assert env.exit_code({"packages": rows}) == 1
     monkeypatch.setattr(env, "installed_version", real)
     assert env.exit_code({"packages": env.versions()[0]}) == 0

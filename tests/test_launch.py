@@ -162,6 +162,9 @@ def test_the_cli_end_to_end(tmp_path):
     hostfile.write_text("a slots=x\n")
     bad = run("--hostfile", str(hostfile), "train.py")
     assert bad.returncode != 0 and "line 1: expected 'hostname slots=N'" in bad.stderr and "Traceback" not in bad.stderr
+    none = run("--workers", "0", str(script))
+    assert none.returncode == 2 and "expected at least 1 worker. Received: workers=0" in none.stderr
+    assert "worker says" not in none.stdout and "Traceback" not in none.stderr
 
 
 @pytest.mark.slow
