@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from kmp import seams
 
+
 def host(strategy) -> str:
     """This process's CPU: where Keras's slot copy lives at stage 1."""
     try:
