@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from kmp.config import Communication
+from kmp.distribute import communication
 from kmp.distribute.communication import _buckets, all_reduce_sum
 from kmp.errors import ConfigError
 from kmp.optimizer import LossScaleOptimizer
@@ -46,6 +47,16 @@ def test_float32_flat_buckets_equal_the_plain_sum_bit_for_bit(two_replicas, byte
     for k, per_replica in enumerate(out):
         for value in per_replica:  # the same on both replicas
             np.testing.assert_array_equal(value, a[k] + b[k])
+
+
+def test_replicas_of_one_process_add_in_memory_and_others_use_the_collective(two_replicas, monkeypatch):
+    assert communication.cpus_of_one_process(two_replicas)
+    assert not communication.cpus_of_one_process(tf.distribute.get_strategy())
+    a, b = _local_grads(0), _local_grads(1)
+    in_memory = _reduce_on_replicas(two_replicas, [a, b])
+    monkeypatch.setattr(communication, "cpus_of_one_process", lambda strategy: False)  # TensorFlow's all-reduce
+    assert all(np.array_equal(u, v) for x, y in zip(in_memory, _reduce_on_replicas(two_replicas, [a, b]))
+               for u, v in zip(x, y))
 
 
 def test_none_gradients_pass_through(two_replicas):

@@ -295,10 +295,10 @@ def test_steps_per_execution_fails_stock_and_works_prepared(two_replicas):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(36, 4)).astype("float32"), rng.integers(0, 3, size=36).astype("int32")
 
-    def run(steps_per_execution, prepare):
+    def run(steps_per_execution, prepare, wrap=kmp.wrap):
         with two_replicas.scope():
             model = _model()
-            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(0.01)), steps_per_execution=steps_per_execution,
+            model.compile(optimizer=wrap(keras.optimizers.Adam(0.01)), steps_per_execution=steps_per_execution,
                           loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         if prepare:
             distribute.prepare(model, jit_compile=False)
@@ -310,7 +310,7 @@ def test_steps_per_execution_fails_stock_and_works_prepared(two_replicas):
 
     keras.config.set_dtype_policy("mixed_float16")  # the autouse fixture restores it
     with pytest.raises(tf.errors.InvalidArgumentError, match="You must feed a value for placeholder"):
-        run(3, prepare=False)
+        run(3, prepare=False, wrap=keras.optimizers.LossScaleOptimizer)
     one, h_one, s_one = run(1, prepare=True)
     three, h_three, s_three = run(3, prepare=True)
     assert int(three.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 10

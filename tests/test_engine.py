@@ -116,6 +116,30 @@ def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args
         assert getattr(plain.optimizer, name).numpy() == getattr(flat.optimizer, name).numpy(), name
 
 
+def test_replicas_of_one_process_update_once_and_every_replica_sees_the_result(two_replicas):
+    # 6 steps in windows of 4: the second window is open at the end.
+    model, _ = _trained(True, two_replicas, "adam", wrap_args={"gradient_accumulation_steps": 4}, epochs=1)
+    buffers = engine.engine_of(model).buffers
+    assert buffers.one_update
+    local = two_replicas.experimental_local_results
+    # The second replica's weight and slot buffers are not stepped: they keep what the
+    # start of fit() loaded (Keras's zero slots), while the first's moved.
+    for name in ("weights", *buffers.slot_names):
+        first, second = local(buffers.buffers[name])
+        assert not np.array_equal(first.numpy(), second.numpy()), name
+    np.testing.assert_array_equal(local(buffers.buffers["momentum"])[1].numpy(), 0)
+    # Each replica's accumulation sums (of the open window) are its own.
+    assert not np.array_equal(*(s.numpy() for s in local(buffers.buffers["sums"])))
+    # Stored: every replica's Keras copy of the weights and optimizer state holds the
+    # first's values (evaluate() and other per-replica reads use them), the iteration count too.
+    model.get_weights()
+    own = {id(v) for v in model.optimizer.accumulation.sums}
+    for variable in [v for v in model.trainable_variables + model.optimizer.variables if id(v) not in own]:
+        values = [c.numpy() for c in local(variable.value)]
+        for other in values[1:]:
+            np.testing.assert_array_equal(values[0], other, err_msg=variable.path)
+
+
 def test_overflows_are_skipped_and_the_scale_moves_as_without_buffers(two_replicas):
     keras.config.set_dtype_policy("mixed_float16")
     x, y = _data()
