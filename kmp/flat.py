@@ -151,7 +151,7 @@ class FlatBuffers:
         self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
         self.gather_slots = None  # kmp.zero.whole_slots's traced all-gather, under several workers
         # Replicas that share this process's memory (CPUs) update once, on the first
-        # replica's buffers, and the others copy its weights (update_once).
+        # replica's buffers, which the others read (update_once).
         self.one_update = not self.sharded and self.replicas > 1 and cpus_of_one_process(self.strategy)
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
@@ -287,7 +287,8 @@ class FlatBuffers:
             # With one update, called in cross-replica context: the first replica's.
             own = (lambda v: self.strategy.experimental_local_results(v)[0]) if self.one_update else fused._local
             self._updates[replica] = tf.function(
-                functools.partial(self._update, own(self.buffers["weights"]), tuple(own(self.buffers[n]) for n in self.slot_names),
+                functools.partial(self._update, own(self.buffers["weights"]),
+                                  tuple(own(self.buffers[n]) for n in self.slot_names),
                                   own(_tf_variable(self.inner._iterations)), self._offset(replica)),
                 jit_compile=True, autograph=False)
         return self._updates[replica]
@@ -425,9 +426,11 @@ class FlatBuffers:
         # Stored whole, once, into Keras's one copy in host memory (kmp.zero).
         whole = zero.whole_slots(self) if direction == "store" and any(map(self.is_shard, names)) else {}
         for k, replica in enumerate(self._replica_ids()):
-            # With one update (update_once) only the first replica's weights and slots are current.
+            # With one update (update_once) only the first replica's weights and slots are
+            # used: the others' are neither loaded nor stored from.
+            skip = (lambda n: n in whole or (direction == "load" and self._first_only(n))) if k else (lambda n: False)
             buffers = {n: whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
-                       for n in names if not (k and n in whole)}
+                       for n in names if not skip(n)}
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 copy(buffers, mirrors, replica * self.shard)

@@ -305,7 +305,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if buffers.sharded:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
             new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
             zero.gather(buffers, new)
-        elif buffers.one_update:  # replicas of one process: the first updates, the others copy
+        elif buffers.one_update:  # replicas of one process: the first's buffers, updated once, read by all
             buffers.update_once(finite, grad, clip, learning_rate)
         else:
             ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)

@@ -122,12 +122,10 @@ def test_replicas_of_one_process_update_once_and_every_replica_sees_the_result(t
     buffers = engine.engine_of(model).buffers
     assert buffers.one_update
     local = two_replicas.experimental_local_results
-    # The second replica's weight and slot buffers are not stepped: they keep what the
-    # start of fit() loaded (Keras's zero slots), while the first's moved.
+    # The second replica's weight and slot buffers are neither loaded nor stepped: zeros.
     for name in ("weights", *buffers.slot_names):
         first, second = local(buffers.buffers[name])
-        assert not np.array_equal(first.numpy(), second.numpy()), name
-    np.testing.assert_array_equal(local(buffers.buffers["momentum"])[1].numpy(), 0)
+        assert first.numpy().any() and not second.numpy().any(), name
     # Each replica's accumulation sums (of the open window) are its own.
     assert not np.array_equal(*(s.numpy() for s in local(buffers.buffers["sums"])))
     # Stored: every replica's Keras copy of the weights and optimizer state holds the
