@@ -185,9 +185,7 @@ class FlatBuffers:
     def local(self, name: str) -> tf.Variable:
         """This replica's component of buffer `name` (a plain tf.Variable); with one update
         (update_once), the first replica's, except for the replica's own accumulation sums."""
-        if self._first_only(name):
-            return self.strategy.experimental_local_results(self.buffers[name])[0]
-        return fused._local(self.buffers[name])
+        return self._first(self.buffers[name]) if self._first_only(name) else fused._local(self.buffers[name])
 
     def split(self, flat) -> list:
         """`flat` as one tensor per trainable variable, in `model.trainable_variables` order."""
@@ -256,13 +254,11 @@ class FlatBuffers:
             self._update_first, args=(finite, grad, clip_scale, learning_rate))
         if fused._replica()[0][1]:  # Keras's iteration count, read per replica (learning-rate schedules)
             iterations = _tf_variable(self.inner._iterations)
-            fused._local(iterations).assign(self.strategy.experimental_local_results(iterations)[0].read_value())
+            fused._local(iterations).assign(self._first(iterations).read_value())
 
     def _update_first(self, strategy, *args):
-        finite, grad, clip_scale, learning_rate = (
-            None if a is None else strategy.experimental_local_results(a)[0] for a in args)
-        first = strategy.experimental_local_results(self.buffers["weights"])[0]
-        with tf.device(first.device):
+        finite, grad, clip_scale, learning_rate = (None if a is None else self._first(a) for a in args)
+        with tf.device(self.local("weights").device):
             update = self._compiled_update((id(strategy), 0))
             tf.cond(finite, lambda: update(*self._update_args(grad, clip_scale, learning_rate)) or tf.no_op(),
                     tf.no_op)
@@ -284,12 +280,12 @@ class FlatBuffers:
         """The XLA update of `replica`'s (this replica's by default) buffers."""
         replica = fused._replica()[0] if replica is None else replica
         if replica not in self._updates:
-            # With one update, called in cross-replica context: the first replica's.
-            own = (lambda v: self.strategy.experimental_local_results(v)[0]) if self.one_update else fused._local
+            iterations = _tf_variable(self.inner._iterations)
+            # With one update, called in cross-replica context (update_once): the first replica's.
+            iterations = self._first(iterations) if self.one_update else fused._local(iterations)
             self._updates[replica] = tf.function(
-                functools.partial(self._update, own(self.buffers["weights"]),
-                                  tuple(own(self.buffers[n]) for n in self.slot_names),
-                                  own(_tf_variable(self.inner._iterations)), self._offset(replica)),
+                functools.partial(self._update, self.local("weights"), tuple(self.local(n) for n in self.slot_names),
+                                  iterations, self._offset(replica)),
                 jit_compile=True, autograph=False)
         return self._updates[replica]
 
@@ -426,14 +422,20 @@ class FlatBuffers:
         # Stored whole, once, into Keras's one copy in host memory (kmp.zero).
         whole = zero.whole_slots(self) if direction == "store" and any(map(self.is_shard, names)) else {}
         for k, replica in enumerate(self._replica_ids()):
-            # With one update (update_once) only the first replica's weights and slots are
-            # used: the others' are neither loaded nor stored from.
-            skip = (lambda n: n in whole or (direction == "load" and self._first_only(n))) if k else (lambda n: False)
-            buffers = {n: whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
-                       for n in names if not skip(n)}
+            buffers = {}
+            for n in names:
+                # With one update (update_once) only the first replica's weights and slots are
+                # used: the others' are not loaded, and every replica is stored from the first's.
+                if k and (n in whole or (direction == "load" and self._first_only(n))):
+                    continue
+                buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 copy(buffers, mirrors, replica * self.shard)
+
+    def _first(self, value):
+        """The first replica's component of a distributed variable or value."""
+        return self.strategy.experimental_local_results(value)[0]
 
     def _first_only(self, name: str) -> bool:
         """Whether only the first replica's buffer `name` is current (one update: all but the sums)."""

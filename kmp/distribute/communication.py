@@ -5,7 +5,8 @@ and the mean that the update applies (reduce_mean).
         for each bucket of float32 gradients (at most bytes_per_pack bytes;
         0 means one bucket for the whole model):
             flat = concat(reshape(g, [-1]) * pre) as communication.dtype
-            flat = replica_context.all_reduce(SUM, flat)     # one collective
+            flat = replica_context.all_reduce(SUM, flat)     # one collective (CPUs of one
+                                                             # process: one add_n, _sum)
             grads = split(float32(flat) * post)
         other gradients (sparse, float8 overwrite-with-gradient) one by one
 
