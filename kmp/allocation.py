@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from kmp import engine, seams
+from kmp.distribute.communication import cpus_of_one_process
 from kmp.errors import Problem, check
 from kmp.memory import (BLOCK_SIZE, CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS, OPTIMIZER_SCALARS,
                         Bytes, Setup, optimizer_slots)
@@ -59,7 +60,8 @@ def settings(model) -> Setup:
         other_state=parameter_bytes * bool(inner.use_ema),
         other_sums=parameter_bytes * bool(inner.gradient_accumulation_steps),
         scalars=scalars + sum(_nbytes(v) for v in model.metrics_variables),
-        sizes=tuple(_elements(v) for v in trainable), block_size=getattr(inner, "block_size", BLOCK_SIZE))
+        sizes=tuple(_elements(v) for v in trainable), block_size=getattr(inner, "block_size", BLOCK_SIZE),
+        one_process=cpus_of_one_process(model.distribute_strategy))
 
 
 def _zero_settings(optimizer) -> tuple[int, str]:

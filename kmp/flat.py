@@ -149,15 +149,18 @@ class FlatBuffers:
         self.shard = -(-self.size // (self.replicas * self.block)) * self.block if self.sharded else self.size
         # Other workers hold some shards: gathering them is a collective (kmp.zero).
         self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
-        self.gather_slots = None  # kmp.zero.whole_slots's traced all-gather, under several workers
+        self.gather_slots = None  # kmp.zero.whole_shards's traced all-gather, under several workers
         # Replicas that share this process's memory (CPUs) update once, on the first
         # replica's buffers, which the others read (update_once).
         self.one_update = not self.sharded and self.replicas > 1 and cpus_of_one_process(self.strategy)
+        # At stage 1 they hold the weights in shards too: each replica updates its shard in
+        # place and every replica's forward pass reads them all (read_weights): no gather.
+        self.weight_shards = self.sharded and not self.across_workers and cpus_of_one_process(self.strategy)
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         with self.strategy.scope():
             self.buffers = {
-                name: tf.Variable(tf.zeros([self._length(name, self.shard if name in self.slot_names else self.size)],
+                name: tf.Variable(tf.zeros([self._length(name, self.shard if self.is_shard(name) else self.size)],
                                            dtypes.get(name, tf.float32)), trainable=False, name=f"kmp_flat_{name}")
                 for name in self.mirrors
             }
@@ -186,6 +189,18 @@ class FlatBuffers:
         """This replica's component of buffer `name` (a plain tf.Variable); with one update
         (update_once), the first replica's, except for the replica's own accumulation sums."""
         return self._first(self.buffers[name]) if self._first_only(name) else fused._local(self.buffers[name])
+
+    def read_weights(self):
+        """This replica's flat weights as its forward pass reads them: a tensor, or, with weight
+        shards, every replica's shard (a tuple: `whole` joins them inside the XLA computation)."""
+        if not self.weight_shards:
+            return self.local("weights").read_value()
+        return tuple(w.read_value() for w in self.strategy.experimental_local_results(self.buffers["weights"]))
+
+    def whole(self, weights) -> tf.Tensor:
+        """read_weights()'s value as one flat tensor. Inside XLA, joining the shards copies
+        nothing: each variable's slice is taken from the shard that holds it."""
+        return tf.concat(weights, axis=0)[:self.size] if isinstance(weights, tuple) else weights
 
     def split(self, flat) -> list:
         """`flat` as one tensor per trainable variable, in `model.trainable_variables` order."""
@@ -314,7 +329,7 @@ class FlatBuffers:
             s["count"] = len(self.sizes)
         value = old = weights.read_value()
         if self.sharded:
-            value = old = self._shard_of(value, offset)
+            value = old = value if self.weight_shards else self._shard_of(value, offset)
             grad = self._shard_of(grad, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
@@ -333,7 +348,7 @@ class FlatBuffers:
         else:
             new = self.rule.update(s, h, value, grad, slots)
         iterations.assign_add(1)
-        if self.sharded:
+        if self.sharded and not self.weight_shards:
             return new  # kmp.zero.gather writes every replica's into the whole weights
         weights.assign(new)
         return None
@@ -371,17 +386,18 @@ class FlatBuffers:
         """Buffers (`names`, all by default) -> Keras variables, on every local replica.
 
         Under several workers at stage 1, storing a slot buffer is a
-        collective every worker must join (kmp.zero.whole_slots).
+        collective every worker must join (kmp.zero.whole_shards).
         """
         self._copy("store", tuple(self.buffers) if names is None else tuple(names))
 
     def is_shard(self, name: str) -> bool:
-        """Whether each replica holds only its shard of buffer `name`."""
-        return self.sharded and name in self.slot_names
+        """Whether each replica holds only its shard of buffer `name`: the slots at stage 1, and
+        the weights too with weight shards."""
+        return self.sharded and (name in self.slot_names or (name == "weights" and self.weight_shards))
 
     def store_weights_here(self) -> None:
         """Buffers -> this replica's Keras weights (in a step: an overflowing step's diagnosis reads them)."""
-        flat = self.local("weights").read_value()
+        flat = self.whole(self.read_weights())
         for variable, part in zip(self.variables, self._parts(flat)):
             fused._local(variable).assign(part)
 
@@ -420,13 +436,16 @@ class FlatBuffers:
             copy = self._graphs[direction]
         local = self.strategy.experimental_local_results
         # Stored whole, once, into Keras's one copy in host memory (kmp.zero).
-        whole = zero.whole_slots(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+        whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
         for k, replica in enumerate(self._replica_ids()):
             buffers = {}
             for n in names:
                 # With one update (update_once) only the first replica's weights and slots are
                 # used: the others' are not loaded, and every replica is stored from the first's.
-                if k and (n in whole or (direction == "load" and self._first_only(n))):
+                # A buffer gathered whole is stored once into Keras's one host copy (the slots,
+                # kmp.zero), and into each replica's Keras variables otherwise (weight shards).
+                if k and ((n in whole and zero.on_host(self.mirrors[n][0]))
+                          or (direction == "load" and self._first_only(n))):
                     continue
                 buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}

@@ -21,7 +21,9 @@ N replicas:
                               the window closes)
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
                      engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
-                     slots sharded; its weights stay whole: the forward pass reads them). With 8-bit
+                     slots sharded; its weights stay whole: the forward pass reads them; but replicas
+                     that are CPUs of one process read each other's memory, and hold 4*S of weights:
+                     `one_process`, read from a model's strategy). With 8-bit
                      states each variable spans whole blocks there (P rounded up per variable), and
                      each slot takes 1 byte per element and 4 per block of its shard
     scalars          step counters, learning rate, loss-scale state, accumulation counters (and metric totals)
@@ -158,6 +160,7 @@ class Setup:
     scalars: int | None = None  # a model's optimizers' and metrics' scalars; None: those kmp.wrap builds
     sizes: tuple | None = None  # a model's trainable variables' element counts; None: one tensor of P
     block_size: int = BLOCK_SIZE  # elements per scale of 8-bit states
+    one_process: bool = False  # replicas that are CPUs of one process: stage 1 shards the flat weights too
 
 
 def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, replicas=None, stage=None, states=None,
@@ -218,11 +221,14 @@ def _estimate(s: Setup) -> MemoryEstimate:
         # every variable on a block and shard by whole blocks (kmp.flat).
         blocks = sum(-(-k // s.block_size) for k in (s.sizes or (p,)))
         flat_p = blocks * s.block_size
+        shard = -(-blocks // n) * s.block_size if sharded else flat_p
         state = s.slots * (p + 4 * blocks)
-        flat_state = s.slots * (-(-blocks // n) if sharded else blocks) * (s.block_size + 4)
+        flat_state = s.slots * shard // s.block_size * (s.block_size + 4)
     else:
-        flat_p = p
-        state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * (-(-p // n) if sharded else p)
+        flat_p, shard = p, -(-p // n) if sharded else p
+        state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
+    # Replicas of one process read each other's shards of the weights too (kmp.flat, weight_shards).
+    flat_weights = shard if sharded and s.one_process else flat_p
     sums = 4 * p * s.accumulating
     scalars = s.scalars
     if scalars is None:  # as kmp.wrap builds the optimizer: kmp's for float16, replicas, accumulation, the engine
@@ -235,7 +241,8 @@ def _estimate(s: Setup) -> MemoryEstimate:
         host=host,
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
         accumulators=sums + s.other_sums,
-        flat_copies=(4 * flat_p * (1 + s.accumulating + (s.optimizer == "lamb")) + flat_state) * s.flat_buffers,
+        flat_copies=(4 * (flat_weights + flat_p * (s.accumulating + (s.optimizer == "lamb"))) + flat_state)
+        * s.flat_buffers,
         scalars=scalars + ACCUMULATION_SCALARS * s.accumulating, parameters=p, optimizer=s.optimizer,
         precision=s.precision, replicas=n, stage=s.stage, states=s.states,
         gradient_accumulation_steps=s.gradient_accumulation_steps, flat_buffers=s.flat_buffers)

@@ -302,12 +302,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
         wall_clock.stamp("checked", [finite, clip])
-        if buffers.sharded:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
+        if buffers.sharded and not buffers.weight_shards:
+            # ZeRO stage 1: this replica updates its shard; every replica gets every shard.
             new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
             zero.gather(buffers, new)
         elif buffers.one_update:  # replicas of one process: the first's buffers, updated once, read by all
             buffers.update_once(finite, grad, clip, learning_rate)
-        else:
+        else:  # each replica its own buffers; with weight shards (stage 1, one process), its shard of each
             ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         wall_clock.stamp("updated", buffers.local("weights"))
         variables = self._trainable_variables

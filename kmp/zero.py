@@ -1,7 +1,7 @@
 """ZeRO stage 1: the weights' all-gather, the slots gathered whole, and where Keras's slot copy lives.
 
     gather(buffers, new_shard)      # every replica, in replica context, every step
-    whole_slots(buffers)            # eagerly, when the engine stores the state (a save, an epoch's end)
+    whole_shards(buffers)           # eagerly, when the engine stores the state (a save, an epoch's end)
     to_host(slot_variables, device) # when the sharded buffers are built
     to_replicas(slot_variables, strategy)   # when the per-variable path takes over again
 
@@ -78,15 +78,16 @@ def _gather(strategy, buffers, shard):
             weights.assign(whole)
 
 
-def whole_slots(buffers) -> dict:
-    """Each sharded slot buffer whole (this process's copy, zero padded at the end), by name.
+def whole_shards(buffers) -> dict:
+    """Each sharded buffer whole (this process's copy, zero padded at the end), by name.
 
     Under several workers an all-gather: a collective every worker must join
     at the same point (see the module docstring), traced once.
     """
     local = buffers.strategy.experimental_local_results
     if not buffers.across_workers:
-        return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0) for n in buffers.slot_names}
+        return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0)
+                for n in buffers.buffers if buffers.is_shard(n)}
     if buffers.gather_slots is None:
         buffers.gather_slots = tf.function(lambda: buffers.strategy.run(_all_gather_slots, args=(buffers,)),
                                            autograph=False)
