@@ -14,8 +14,9 @@ Issue 12's P1 targets (`--issue12`: only the rows they compare, no P2):
 kmp prepared under the strategy <= 1.15x stock Keras on ONE device with
 whole-step XLA (same global batch), and <= 0.45x stock Keras under the
 strategy. kmp is measured prepared per variable (`flat_buffers=False`) and
-with the flat-buffer engine (`flat_buffers=True`, kmp.engine); besides ms
-per step, it prints each row's whole fit() seconds and its first fit().
+with the flat-buffer engine (`flat_buffers=True`, kmp.engine), at ZeRO
+stage 0 and 1 (kmp.zero); besides ms per step, it prints each row's whole
+fit() seconds and its first fit().
 
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
     python benchmarks/p1_p2_step_time.py --issue12 [--rounds 3] [--steps 15]
@@ -80,12 +81,15 @@ def main() -> None:
     kmp_dynamic = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False)
     kmp_unfused = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, fused=False)
     kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
+    kmp_stage_1 = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, zero_stage=1)
 
-    p1 = {  # built lazily: --issue12 builds four
+    p1 = {  # built lazily: --issue12 builds five
         "Mirrored, mixed_float16, Keras LSO (stock)": lambda: compiled(mirrored, "mixed_float16", keras_lso),
         "Mirrored, mixed_float16, kmp prepared": lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
         "Mirrored, mixed_float16, kmp prepared, flat buffers":
             lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto", flat_buffers=True),
+        "Mirrored, mixed_float16, kmp prepared, flat buffers, ZeRO stage 1":
+            lambda: compiled(mirrored, "mixed_float16", kmp_stage_1, "auto", flat_buffers=True),
         "  same, unfused update": lambda: compiled(mirrored, "mixed_float16", kmp_unfused, "auto"),
         "  same, no XLA (prepare(jit_compile=False))":
             lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, False),
@@ -98,6 +102,7 @@ def main() -> None:
     stock, prepared, one_xla = ("Mirrored, mixed_float16, Keras LSO (stock)", "Mirrored, mixed_float16, kmp prepared",
                                 "one device, mixed_float16, Keras LSO + XLA")
     flat = "Mirrored, mixed_float16, kmp prepared, flat buffers"
+    stage_1 = "Mirrored, mixed_float16, kmp prepared, flat buffers, ZeRO stage 1"
 
     def built(names):
         rows = {}
@@ -109,7 +114,7 @@ def main() -> None:
         return rows
 
     if args.issue12:
-        rows = built([stock, prepared, flat, one_xla])
+        rows = built([stock, prepared, flat, stage_1, one_xla])
         times = interleaved(rows, args.rounds)
         report("Issue 12, P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", times, one_xla)
         report("Issue 12, P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", times, stock)
@@ -119,7 +124,7 @@ def main() -> None:
             timed = row.seconds[-args.rounds:]  # the warm-up round's call is not counted
             print(f"{name:54s} {statistics.median(timed):6.2f} s ({min(timed):.2f}-{max(timed):.2f})  "
                   f"first {row.first:.1f} s")
-        for name in (prepared, flat):
+        for name in (prepared, flat, stage_1):
             opt = rows[name].model.optimizer
             engine = "flat buffers" if kmp.engine.engine_of(rows[name].model) else "per variable"
             print(f"{name}: {engine}; skipped steps {int(opt.skipped_steps.numpy())}, "

@@ -17,7 +17,10 @@ the bytes.
 Replicas of one process on CPUs (MirroredStrategy on logical CPU devices)
 share its memory: there the first replica's buffers are the only ones
 stepped, once per step, and every replica reads its weights (update_once);
-elsewhere (GPUs, several workers) each replica steps its own copy.
+at ZeRO stage 1 each replica steps its shard of the weights in place and
+every replica reads all the shards (weight_shards). Elsewhere (GPUs,
+several workers) each replica steps its own copy, or at stage 1 its shard,
+gathered into every replica's whole weights (kmp.zero).
 
 Layout: the trainable variables (all float32: mixed precision keeps float32
 masters) in Keras's `model.trainable_variables` order, except that the ones
