@@ -392,6 +392,8 @@ TEXT_CHECKS = {
 NOT_RUN = {
     "grad = this replica's flat float32 gradient                 (forward/backward, XLA)":
         "pseudo-code of one step at ZeRO stage 1",
+    "weights[k] = update(weights[k], grad[k*S:(k+1)*S], slots)        if finite    (XLA, in place)":
+        "pseudo-code of ZeRO stage 1's update and forward pass on replicas of one process",
     "grads  = float32(local gradients) / scale   # unscale first, on each replica":
         "pseudo-code of one optimizer step",
     "on an overflow:                        # the step is always skipped":
