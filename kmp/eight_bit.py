@@ -36,7 +36,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from kmp import quantize, seams
+from kmp import quantize
+from kmp.distribute.same_start import same_start
 from kmp.errors import Problem, check
 
 STATES = ("32bit", "8bit")
@@ -59,26 +60,17 @@ class _EightBitStates:
     def build(self, var_list):
         if self.built:
             return
-        strategy = self._distribution_strategy
-        if seams.get("collective_all_reduce_multi_worker")(strategy):
-            # MultiWorkerMirroredStrategy broadcasts each new variable's initial value from the chief
-            # (CollectiveBcastSend), whose dtypes are bool, half, float, double, int32 and int64.
-            raise NotImplementedError(
-                f"kmp.{type(self).__name__}: expected one worker, or a strategy other than "
-                f"MultiWorkerMirroredStrategy. Received MultiWorkerMirroredStrategy over "
-                f"{strategy.num_replicas_in_sync} replicas: TensorFlow broadcasts every new variable's initial "
-                "value between workers, and its broadcast takes no uint8, the 8-bit states' dtype. Use "
-                "keras.optimizers.Adam or AdamW there; kmp.wrap(..., zero_stage=1) shards their state across "
-                "the replicas instead (docs/zero.md).")
         keras.optimizers.Optimizer.build(self, var_list)  # iterations, indices; not Adam's float32 slots
         self._moment_codes, self._moment_scales, self._velocity_codes, self._velocity_scales = [], [], [], []
+        strategy = self._distribution_strategy
         for variable in var_list:
             size = math.prod(variable.shape)
             blocks = -(-size // self.block_size)
             # Zero scales decode to exact zeros, whatever the codes: Adam's zero start.
             for codes, scales, name in ((self._moment_codes, self._moment_scales, "momentum"),
                                         (self._velocity_codes, self._velocity_scales, "velocity")):
-                with self._distribution_strategy.extended.colocate_vars_with(_tf_variable(variable)):
+                # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8.
+                with strategy.extended.colocate_vars_with(_tf_variable(variable)), same_start(strategy):
                     codes.append(self.add_variable((size,), dtype="uint8", name=f"{name}_8bit"))
                     scales.append(self.add_variable((blocks,), dtype="float32", name=f"{name}_scale"))
 

@@ -61,6 +61,7 @@ import tensorflow as tf
 from kmp import fused, overflow, replica_state, zero
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.distribute.communication import cpus_of_one_process
+from kmp.distribute.same_start import same_start
 from kmp.distribute.tpu import is_tpu_strategy
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ class FlatBuffers:
         self.weight_shards = self.sharded and not self.across_workers and cpus_of_one_process(self.strategy)
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
-        with self.strategy.scope():
+        # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8 (8-bit codes).
+        with self.strategy.scope(), same_start(self.strategy):
             self.buffers = {
                 name: tf.Variable(tf.zeros([self._length(name, self.shard if self.is_shard(name) else self.size)],
                                            dtypes.get(name, tf.float32)), trainable=False, name=f"kmp_flat_{name}")

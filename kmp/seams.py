@@ -62,6 +62,11 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "tensorflow.python.ops.resource_variable_ops", "ResourceVariable",
         "ZeRO stage 1 (kmp.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable is mirrored",
     ),
+    "MirroredExtended": (
+        "tensorflow.python.distribute.mirrored_strategy", "MirroredExtended",
+        "kmp.Adam8bit under MultiWorkerMirroredStrategy (kmp.distribute.same_start): uint8 variables made "
+        "without the initial value's broadcast, which takes no uint8",
+    ),
     "TFOptimizer": (
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
@@ -112,6 +117,9 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "tf.distribute DistributedVariable": (
         "_get_on_device_or_primary",  # kmp.fused: this replica's own component
+    ),
+    "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": (
+        "_get_variable_creator_initial_value",  # kmp.distribute.same_start: shadowed on the instance for a block
     ),
     "tf.data.Dataset": (
         "_inputs",                 # kmp.input_pipeline: walks the pipeline to refuse a batched dataset

@@ -99,9 +99,11 @@ def whole_shards(buffers) -> dict:
 
 
 def _all_gather_slots(buffers):
-    # float32 only: kmp.Adam8bit's uint8 states cannot be built under several workers (kmp.eight_bit).
-    return tf.distribute.get_replica_context().all_gather(
-        {n: buffers.local(n).read_value() for n in buffers.slot_names}, axis=0)
+    # TensorFlow's collectives take no uint8 (8-bit codes): gathered as int32, exactly.
+    slots = {n: buffers.local(n).read_value() for n in buffers.slot_names}
+    wide = {n: tf.cast(v, tf.int32) if v.dtype == tf.uint8 else v for n, v in slots.items()}
+    gathered = tf.distribute.get_replica_context().all_gather(wide, axis=0)
+    return {n: tf.cast(gathered[n], tf.uint8) if slots[n].dtype == tf.uint8 else gathered[n] for n in slots}
 
 
 def to_host(variables, device: str) -> None:

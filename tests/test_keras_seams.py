@@ -60,6 +60,7 @@ def _objects(strategy):
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
         "keras.Variable (TensorFlow backend)": [keras.Variable([1.0, 2.0])],
         "tf.distribute DistributedVariable": [mirrored],
+        "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": [strategy.extended],
         "tf.data.Dataset": [tf.data.Dataset.range(4), tf.data.Dataset.range(4).batch(2).prefetch(1)],
         "tf.__internal__.distribute": [tf.__internal__.distribute],
     }

@@ -401,8 +401,24 @@ def test_a_one_device_save_resumes_at_stage_1_on_two_workers(workers, reference)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
 
 
-def test_adam8bit_says_plainly_why_it_cannot_be_built_across_workers(workers):
-    for w in workers:
-        assert w["zero_stage1"]["eight_bit_error"].startswith(
-            "kmp.Adam8bit: expected one worker, or a strategy other than MultiWorkerMirroredStrategy. "
-            "Received MultiWorkerMirroredStrategy over 2 replicas")
+def test_adam8bit_trains_across_workers_on_every_path(workers):
+    """kmp.Adam8bit's uint8 states under MultiWorkerMirroredStrategy: made without TensorFlow's broadcast of
+    their initial value (kmp.distribute.same_start), then trained as on one process: both workers end
+    the same; the flat buffers as the per-variable path, and stage 1 as stage 0 (test_zero's tolerances)."""
+    first, second = (w["zero_stage1"]["eight_bit"] for w in workers)
+    assert first == second
+    per_variable, flat, sharded = first["per variable"], first["flat"], first["flat stage 1"]
+    # The tests' data forces overflows: every path skips the same steps.
+    assert per_variable["skipped_steps"] == flat["skipped_steps"] == sharded["skipped_steps"] > 0
+    assert (per_variable["engine"], flat["engine"], sharded["engine"]) == (None, "whole", "sharded")
+    initial = worker.build_model().get_weights()
+    for run in first.values():  # trained: finite, and the weights moved
+        assert np.isfinite(run["loss"]).all()
+        assert not np.allclose(initial[0], np.asarray(run["weights"][0]), atol=1e-3)
+    codes = [np.asarray(v) for v in sharded["optimizer"] if np.asarray(v).dtype.kind == "i" and np.asarray(v).size > 8]
+    assert codes and all(c.min() >= 0 and c.max() <= 255 for c in codes) and any(c.any() for c in codes)
+    for a, b in zip(flat["weights"], per_variable["weights"], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    for a, b in zip(sharded["weights"], flat["weights"], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(sharded["loss"], flat["loss"], rtol=1e-6)
