@@ -151,7 +151,7 @@ class Engine:
         scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
         weights = buffers.read_weights()
         if len(buffers.sizes) > SPLIT_IN_XLA_UP_TO:
-            weights = buffers.split(buffers.whole(weights))
+            weights = buffers.split(weights)
         grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, x, y, sample_weight)
         replica_step.apply_writes_and_track_loss(model, writes, loss, x)
         # The layer diagnosis traced after an overflowing step (the whole step
@@ -179,7 +179,7 @@ class Engine:
 
     def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
         with tf.GradientTape() as tape:
-            values = weights if isinstance(weights, list) else self.buffers.split(self.buffers.whole(weights))
+            values = weights if isinstance(weights, list) else self.buffers.split(weights)
             tape.watch(values)
             y_pred, loss, writes = replica_step.stateless_loss(self.model, values, other_values, x, y, sample_weight)
             scaled = keras.ops.multiply(loss, scale)

@@ -160,6 +160,8 @@ class FlatBuffers:
         # At stage 1 they hold the weights in shards too: each replica updates its shard in
         # place and every replica's forward pass reads them all (read_weights): no gather.
         self.weight_shards = self.sharded and not self.across_workers and cpus_of_one_process(self.strategy)
+        # Elsewhere at stage 1 each replica's new shard is gathered into every replica's whole weights.
+        self.gathers = self.sharded and not self.weight_shards
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8 (8-bit codes).
@@ -196,19 +198,18 @@ class FlatBuffers:
         return self._first(self.buffers[name]) if self._first_only(name) else fused._local(self.buffers[name])
 
     def read_weights(self):
-        """This replica's flat weights as its forward pass reads them: a tensor, or, with weight
-        shards, every replica's shard (a tuple: `whole` joins them inside the XLA computation)."""
+        """This replica's flat weights as its forward pass reads them (split takes either): a
+        tensor, or, with weight shards, every replica's shard (a tuple)."""
         if not self.weight_shards:
             return self.local("weights").read_value()
         return tuple(w.read_value() for w in self.strategy.experimental_local_results(self.buffers["weights"]))
 
-    def whole(self, weights) -> tf.Tensor:
-        """read_weights()'s value as one flat tensor. Inside XLA, joining the shards copies
-        nothing: each variable's slice is taken from the shard that holds it."""
-        return tf.concat(weights, axis=0)[:self.size] if isinstance(weights, tuple) else weights
-
     def split(self, flat) -> list:
-        """`flat` as one tensor per trainable variable, in `model.trainable_variables` order."""
+        """`flat` (a tensor, or read_weights()'s shards) as one tensor per trainable variable, in
+        `model.trainable_variables` order. Inside XLA, joining the shards copies nothing: each
+        variable's slice is taken from the shard that holds it."""
+        if isinstance(flat, tuple):
+            flat = tf.concat(flat, axis=0)[:self.size]
         out = [None] * len(self.sizes)
         for position, part in zip(self.order, self._parts(flat)):
             out[position] = part
@@ -334,7 +335,7 @@ class FlatBuffers:
             s["count"] = len(self.sizes)
         value = old = weights.read_value()
         if self.sharded:
-            value = old = value if self.weight_shards else self._shard_of(value, offset)
+            value = old = self._shard_of(value, offset) if self.gathers else value
             grad = self._shard_of(grad, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
@@ -353,7 +354,7 @@ class FlatBuffers:
         else:
             new = self.rule.update(s, h, value, grad, slots)
         iterations.assign_add(1)
-        if self.sharded and not self.weight_shards:
+        if self.gathers:
             return new  # kmp.zero.gather writes every replica's into the whole weights
         weights.assign(new)
         return None
@@ -402,9 +403,9 @@ class FlatBuffers:
 
     def store_weights_here(self) -> None:
         """Buffers -> this replica's Keras weights (in a step: an overflowing step's diagnosis reads them)."""
-        flat = self.whole(self.read_weights())
-        for variable, part in zip(self.variables, self._parts(flat)):
-            fused._local(variable).assign(part)
+        values = self.split(self.read_weights())  # model order
+        for position, variable in zip(self.order, self.variables):
+            fused._local(variable).assign(values[position])
 
     def _parts(self, flat, name="weights", shapes=None):
         """Whole buffer `name` as one tensor per variable (of `shapes`, the variables' by default), in buffer order."""

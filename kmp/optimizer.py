@@ -302,8 +302,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
         wall_clock.stamp("checked", [finite, clip])
-        if buffers.sharded and not buffers.weight_shards:
-            # ZeRO stage 1: this replica updates its shard; every replica gets every shard.
+        if buffers.gathers:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
             new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
             zero.gather(buffers, new)
         elif buffers.one_update:  # replicas of one process: the first's buffers, updated once, read by all
