@@ -21,6 +21,7 @@ N replicas:
                               the window closes)
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
                      engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
+                     sums then 4*N*S: they add up the flat gradient, padded to N whole shards; its
                      slots sharded; its weights stay whole: the forward pass reads them; but replicas
                      that are CPUs of one process read each other's memory, and hold 4*S of weights:
                      `one_process`, read from a model's strategy). With 8-bit
@@ -229,6 +230,8 @@ def _estimate(s: Setup) -> MemoryEstimate:
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.flat, weight_shards).
     flat_weights = shard if sharded and s.one_process else flat_p
+    # The flat sums add up the flat gradient, padded at stage 1 to N whole shards (kmp.flat, `length`).
+    flat_sums = n * shard if sharded else flat_p
     sums = 4 * p * s.accumulating
     scalars = s.scalars
     if scalars is None:  # as kmp.wrap builds the optimizer: kmp's for float16, replicas, accumulation, the engine
@@ -241,7 +244,7 @@ def _estimate(s: Setup) -> MemoryEstimate:
         host=host,
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
         accumulators=sums + s.other_sums,
-        flat_copies=(4 * (flat_weights + flat_p * (s.accumulating + (s.optimizer == "lamb"))) + flat_state)
+        flat_copies=(4 * (flat_weights + flat_sums * s.accumulating + flat_p * (s.optimizer == "lamb")) + flat_state)
         * s.flat_buffers,
         scalars=scalars + ACCUMULATION_SCALARS * s.accumulating, parameters=p, optimizer=s.optimizer,
         precision=s.precision, replicas=n, stage=s.stage, states=s.states,

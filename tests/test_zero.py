@@ -63,7 +63,9 @@ def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
     assert buffers.weight_shards
     for name, variable in buffers.buffers.items():
         in_shards = name in buffers.slot_names or name == "weights"
-        expected = [size] if not in_shards else [shard // 8] if "scales" in name else [shard]
+        # The sums add up the flat gradient, zero padded to two whole shards (kmp.flat, `length`).
+        whole_length = 2 * shard if name == "sums" else size
+        expected = [whole_length] if not in_shards else [shard // 8] if "scales" in name else [shard]
         assert [c.shape.as_list() for c in local(variable)] == [expected, expected], name
     _assert_same(_raw(whole), _raw(sharded), eight_bit=optimizer == "adamw8bit")  # slots: gathered back
     np.testing.assert_allclose(whole_loss, sharded_loss, rtol=1e-6 if optimizer == "adamw8bit" else 0)
