@@ -9,7 +9,7 @@ step, in replica context, on one device or several:
                                  # unscaled float32 tensor
     optimizer.apply_flat(grad)   # accumulate, ONE all-reduce (in buckets), one finite
                                  # check, clip, ONE XLA update of weights and slots (replicas
-                                 # of one process on CPUs: one for all, kmp.flat.update_once)
+                                 # of one process on CPUs: each of its shard, kmp.flat)
     writes (BatchNorm statistics), loss tracker, metrics      # as Keras's train_step
 
 No op on that path touches a per-variable optimizer state; the only

@@ -22,9 +22,10 @@ N replicas:
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
                      engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
                      sums then 4*N*S: they add up the flat gradient, padded to N whole shards; its
-                     slots sharded; its weights stay whole: the forward pass reads them; but replicas
-                     that are CPUs of one process read each other's memory, and hold 4*S of weights:
-                     `one_process`, read from a model's strategy). With 8-bit
+                     slots sharded; its weights stay whole: the forward pass reads them). Replicas
+                     that are CPUs of one process read each other's memory: at every stage they hold
+                     S = ceil(P/N) of the weights and slots (`one_process`, read from a model's
+                     strategy; Lamb excepted). With 8-bit
                      states each variable spans whole blocks there (P rounded up per variable), and
                      each slot takes 1 byte per element and 4 per block of its shard
     scalars          step counters, learning rate, loss-scale state, accumulation counters (and metric totals)
@@ -161,7 +162,7 @@ class Setup:
     scalars: int | None = None  # a model's optimizers' and metrics' scalars; None: those kmp.wrap builds
     sizes: tuple | None = None  # a model's trainable variables' element counts; None: one tensor of P
     block_size: int = BLOCK_SIZE  # elements per scale of 8-bit states
-    one_process: bool = False  # replicas that are CPUs of one process: stage 1 shards the flat weights too
+    one_process: bool = False  # replicas that are CPUs of one process: the flat buffers in shards at any stage
 
 
 def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, replicas=None, stage=None, states=None,
@@ -214,9 +215,12 @@ def estimates(parameters, **settings) -> list[MemoryEstimate]:
 
 def _estimate(s: Setup) -> MemoryEstimate:
     p, n = s.parameters, s.replicas
-    # Stage 1 shards the flat buffers' slots (kmp.flat), padded to N equal shards; Lamb and the
-    # per-variable path keep them whole.
-    sharded = s.stage == 1 and s.flat_buffers and s.optimizer != "lamb" and n > 1
+    # Stage 1 shards the flat buffers' slots (kmp.flat), padded to N equal shards, and holds
+    # Keras's copy of the slots in host memory (kmp.zero); replicas that are CPUs of one process
+    # shard the flat buffers at stage 0 too. Lamb and the per-variable path keep them whole.
+    flat_shards = s.flat_buffers and s.optimizer != "lamb" and n > 1
+    moved = flat_shards and s.stage == 1
+    sharded = moved or (flat_shards and s.one_process)
     if s.states == "8bit":
         # A byte per moment and a float32 scale per block of each variable. The flat buffers start
         # every variable on a block and shard by whole blocks (kmp.flat).
@@ -239,7 +243,7 @@ def _estimate(s: Setup) -> MemoryEstimate:
             s.stage == 1 or s.states == "8bit")
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
     # Sharded, Keras's copy of the slots is held once in host memory, not per replica (kmp.zero).
-    host, state = (state, 0) if sharded else (0, state)
+    host, state = (state, 0) if moved else (0, state)
     return MemoryEstimate(
         host=host,
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,

@@ -116,20 +116,31 @@ def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args
         assert getattr(plain.optimizer, name).numpy() == getattr(flat.optimizer, name).numpy(), name
 
 
-def test_replicas_of_one_process_update_once_and_every_replica_sees_the_result(two_replicas):
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_replicas_of_one_process_share_the_step_and_every_replica_sees_the_result(two_replicas, optimizer):
     # 6 steps in windows of 4: the second window is open at the end.
-    model, _ = _trained(True, two_replicas, "adam", wrap_args={"gradient_accumulation_steps": 4}, epochs=1)
+    model, _ = _trained(True, two_replicas, optimizer, wrap_args={"gradient_accumulation_steps": 4}, epochs=1)
     buffers = engine.engine_of(model).buffers
-    assert buffers.one_update
     local = two_replicas.experimental_local_results
-    # The second replica's weight and slot buffers are neither loaded nor stepped: zeros.
-    for name in ("weights", *buffers.slot_names):
-        first, second = local(buffers.buffers[name])
-        assert first.numpy().any() and not second.numpy().any(), name
+    if optimizer == "adam":
+        # Each replica holds and steps its shard of the weights and slots (ZeRO stage 0 here):
+        # 161 parameters, two shards of 81, the second padded by one.
+        assert buffers.sharded and buffers.weight_shards and not buffers.zero and not buffers.one_update
+        for name in ("weights", *buffers.slot_names):
+            shards = [c.numpy() for c in local(buffers.buffers[name])]
+            assert [s.shape for s in shards] == [(81,), (81,)] and all(s[:80].any() for s in shards), name
+            assert not shards[1][80:].any(), name  # the padding never moves
+    else:
+        # Lamb's trust ratio needs each variable whole: one update, on the first replica's
+        # buffers; the second replica's weight and slot buffers are neither loaded nor stepped.
+        assert buffers.one_update and not buffers.sharded
+        for name in ("weights", *buffers.slot_names):
+            first, second = local(buffers.buffers[name])
+            assert first.numpy().any() and not second.numpy().any(), name
     # Each replica's accumulation sums (of the open window) are its own.
     assert not np.array_equal(*(s.numpy() for s in local(buffers.buffers["sums"])))
     # Stored: every replica's Keras copy of the weights and optimizer state holds the
-    # first's values (evaluate() and other per-replica reads use them), the iteration count too.
+    # same values (evaluate() and other per-replica reads use them), the iteration count too.
     model.get_weights()
     own = {id(v) for v in model.optimizer.accumulation.sums}
     for variable in [v for v in model.trainable_variables + model.optimizer.variables if id(v) not in own]:

@@ -71,7 +71,10 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
 
     strategy = request.getfixturevalue("two_replicas") if replicas == 2 else tf.distribute.get_strategy()
     model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage)
-    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.sharded == bool(stage)
+    # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.flat).
+    in_shards = replicas == 2 and bool(flat_buffers)
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.sharded == in_shards
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.zero == bool(stage)
     assert (engine.engine_of(model) is not None) == bool(flat_buffers)  # the path the case names ran
     estimate = kmp.memory_estimate(model)
     measured = kmp.measured_bytes(model)
@@ -89,16 +92,16 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     assert (estimate.parameters, estimate.replicas, estimate.precision) == (PARAMETERS, replicas, precision)
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
-    shard = -(-PARAMETERS // 2) if stage else PARAMETERS  # 114 of 227: the flat slots' shard
-    # Sharded, Keras's copy of the slots is held once in host memory, on no replica's device (kmp.zero).
+    shard = -(-PARAMETERS // 2) if in_shards else PARAMETERS  # 114 of 227: the flat buffers' shard
+    # At stage 1 Keras's copy of the slots is held once in host memory, on no replica's device (kmp.zero).
     held = 4 * slots * PARAMETERS
-    state, host = (0, held) if shard < PARAMETERS else (held, 0)
+    state, host = (0, held) if stage else (held, 0)
     assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, state, sums)
     assert estimate.host == host
     # Replicas that are CPUs of one process (the two logical CPUs) hold the flat weights in shards too.
     one_process = replicas == 2
-    flat_weights = shard if one_process else PARAMETERS
-    # The flat sums add up the flat gradient, zero padded at stage 1 to whole shards (228 of 227 here).
+    flat_weights = shard
+    # The flat sums add up the flat gradient, zero padded in shards to whole shards (228 of 227 here).
     flat_sums = 4 * 2 * shard if accumulation and shard < PARAMETERS else sums
     assert estimate.flat_copies == (4 * flat_weights + 4 * slots * shard + flat_sums + segment_ids
                                     if flat_buffers else 0)

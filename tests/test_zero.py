@@ -53,7 +53,9 @@ def _assert_same(a, b, eight_bit=False):
 def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
     (whole, sharded), (whole_loss, sharded_loss) = _pair(two_replicas, optimizer, **wrap_args)
     buffers = engine.engine_of(sharded).buffers
-    assert buffers.sharded and not engine.engine_of(whole).buffers.sharded
+    assert buffers.zero and not engine.engine_of(whole).buffers.zero
+    # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
+    assert buffers.sharded and engine.engine_of(whole).buffers.sharded
     local = two_replicas.experimental_local_results
     # 161 parameters: two shards of 81, the second padded by one. In blocks of
     # 8 (8-bit states) each variable is padded to whole blocks: 168, and two
@@ -116,7 +118,7 @@ def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas, ei
             slot.assign(np.full(slot.shape, 200 if slot.dtype == "uint8" else 0.5, slot.dtype))
         initial = [np.array(v) for v in model.unused.weights + slots]
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.sharded == bool(stage)
+        assert engine.engine_of(model).buffers.zero == bool(stage)
         # Its weights and its slots (8-bit: codes and the scales of its blocks) as they were.
         for before, after in zip(initial, model.unused.weights + slots):
             np.testing.assert_array_equal(np.array(after), before)
@@ -144,7 +146,7 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_p
         with two_replicas.scope():
             model = keras.models.load_model(tmp_path / f"one_{stage}.keras")
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.sharded == bool(stage)
+        assert engine.engine_of(model).buffers.zero == bool(stage)
         continued.append(_raw(model))
     _assert_same(*continued)
 
@@ -175,7 +177,7 @@ def test_kmp_backup_resumes_exactly_at_stage_1(tmp_path, two_replicas):
             model.fit(*_data(), batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
         except KeyboardInterrupt:
             return None
-        assert engine.engine_of(model).buffers.sharded
+        assert engine.engine_of(model).buffers.zero
         return _raw(model)
 
     whole = job(tmp_path / "whole")
@@ -235,10 +237,11 @@ def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memo
         return sum(c.numpy().nbytes for v in variables for c in two_replicas.experimental_local_results(v)
                    if tf.DeviceSpec.from_string(c.device) == tf.DeviceSpec.from_string(device))
 
-    # 161 parameters, Adam: 1288 bytes of state per replica on the per-variable path; at stage 0 the
-    # flat engine holds them twice, at stage 1 each replica device one shard of 81 (the last padded by 1).
+    # 161 parameters, Adam: 1288 bytes of state per replica on the per-variable path. On these
+    # replicas of one process the flat buffers are in shards of 81 (the last padded by 1) at both
+    # stages; stage 0 keeps Keras's copy on every replica, stage 1 once in host memory.
     replica_1 = "/job:localhost/replica:0/task:0/device:CPU:1"
-    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (2 * 1288, 8 * 81)
+    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (1288 + 8 * 81, 8 * 81)
     assert state_bytes(sharded, zero.host(two_replicas)) == 1288 + 8 * 81  # replica 0's device is the host here
     # Keras's per-variable update needs the slots on every replica: they go back, and to the host again.
     for flat_buffers in (False, True):
@@ -287,4 +290,4 @@ def test_with_the_host_apart_from_the_replicas_each_replica_device_holds_half_th
 def test_one_device_has_one_shard(two_replicas):
     model, _ = _trained(True, None, "adam", epochs=1, wrap_args={"zero_stage": 1})
     buffers = engine.engine_of(model).buffers
-    assert not buffers.sharded and buffers.shard == buffers.size
+    assert not buffers.sharded and not buffers.zero and buffers.shard == buffers.size
