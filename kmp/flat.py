@@ -162,8 +162,8 @@ class FlatBuffers:
         self.shard = -(-self.size // (self.replicas * self.block)) * self.block if self.sharded else self.size
         # The flat gradient (and the accumulation sums) padded with zeros to N whole shards, in
         # the backward pass's XLA concatenate where it costs nothing: each replica's shard of it
-        # is then a slice. Padding the last replica's shard in its update instead cost stage 1
-        # about 10% of the step on two logical CPUs (1.14x stage 0's against 0.93x, an A/B).
+        # is then a slice. Padding the last replica's shard in its update instead cost the
+        # sharded step about 10% on two logical CPUs (1.14x the one update's against 0.93x, an A/B).
         self.length = self.replicas * self.shard if self.sharded else self.size
         # Other workers hold some shards: gathering them is a collective (kmp.zero).
         self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
@@ -229,7 +229,7 @@ class FlatBuffers:
     @tf.autograph.experimental.do_not_convert
     def join(self, grads) -> tf.Tensor:
         """Per-variable gradients (model order, None for no gradient) as one flat tensor
-        (`length` elements: zero padded to whole shards at stage 1).
+        (`length` elements: zero padded to N whole shards when sharded).
 
         Keras skips a variable whose gradient is None (no step, no weight
         decay, slots untouched); so does the update, for the variables noted
@@ -277,7 +277,7 @@ class FlatBuffers:
         self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
 
     def update_once(self, finite, grad, clip_scale, learning_rate) -> None:
-        """Replicas of one process (`one_update`): the step once, on the first replica's
+        """Lamb on replicas of one process (`one_update`): the step once, on the first replica's
         buffers, if `finite` (replica context). Every replica reads the first's weights
         (`local`), as memory this process shares; the others' weight and slot buffers are unused.
 

@@ -234,7 +234,7 @@ def _estimate(s: Setup) -> MemoryEstimate:
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.flat, weight_shards).
     flat_weights = shard if sharded and s.one_process else flat_p
-    # The flat sums add up the flat gradient, padded at stage 1 to N whole shards (kmp.flat, `length`).
+    # The flat sums add up the flat gradient, padded to N whole shards when sharded (kmp.flat, `length`).
     flat_sums = n * shard if sharded else flat_p
     sums = 4 * p * s.accumulating
     scalars = s.scalars
@@ -242,7 +242,7 @@ def _estimate(s: Setup) -> MemoryEstimate:
         kmp_optimizer = s.precision in ("mixed_float16", "float16") or n > 1 or s.accumulating or s.flat_buffers or (
             s.stage == 1 or s.states == "8bit")
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
-    # Sharded, Keras's copy of the slots is held once in host memory, not per replica (kmp.zero).
+    # At stage 1 Keras's copy of the slots is held once in host memory, not per replica (kmp.zero).
     host, state = (state, 0) if moved else (0, state)
     return MemoryEstimate(
         host=host,

@@ -305,9 +305,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if buffers.gathers:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
             new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
             zero.gather(buffers, new)
-        elif buffers.one_update:  # replicas of one process: the first's buffers, updated once, read by all
+        elif buffers.one_update:  # Lamb on replicas of one process: the first's buffers, updated once, read by all
             buffers.update_once(finite, grad, clip, learning_rate)
-        else:  # each replica its own buffers; with weight shards (stage 1, one process), its shard of each
+        else:  # each replica its own buffers; with weight shards (replicas of one process), its shard of each
             ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         wall_clock.stamp("updated", buffers.local("weights"))
         variables = self._trainable_variables

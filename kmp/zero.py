@@ -30,7 +30,9 @@ and assigning slice by slice in place (1.15-1.18x) measured slower. Where
 those devices are CPUs (one memory) nothing is gathered at all: each replica
 holds its shard of the weights and the forward passes read every shard
 (kmp.flat, `weight_shards`): 0.97-1.04x stage 0's step, against 1.17x with
-the gather the same day. Under MultiWorkerMirroredStrategy the other workers'
+the gather the same day, and 0.93-0.95x once each replica's shard of the
+gradient was a slice (kmp.flat, `length`); stage 0 there now steps the same
+shards. Under MultiWorkerMirroredStrategy the other workers'
 shards are elsewhere: `all_gather` is there a collective all-gather of the
 equal shards.
 

@@ -98,19 +98,16 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     state, host = (0, held) if stage else (held, 0)
     assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, state, sums)
     assert estimate.host == host
-    # Replicas that are CPUs of one process (the two logical CPUs) hold the flat weights in shards too.
-    one_process = replicas == 2
-    flat_weights = shard
-    # The flat sums add up the flat gradient, zero padded in shards to whole shards (228 of 227 here).
+    # The flat sums add up the flat gradient, zero padded to whole shards when sharded (228 of 227 here).
     flat_sums = 4 * 2 * shard if accumulation and shard < PARAMETERS else sums
-    assert estimate.flat_copies == (4 * flat_weights + 4 * slots * shard + flat_sums + segment_ids
-                                    if flat_buffers else 0)
+    assert estimate.flat_copies == (4 * shard + 4 * slots * shard + flat_sums + segment_ids if flat_buffers else 0)
     # Before the first fit, from kmp.prepare's setting: the same, but the metrics' totals (built by fit).
     assert dataclasses.replace(before, scalars=0) == dataclasses.replace(estimate, scalars=0)
     assert estimate.scalars - before.scalars == 2 * 4  # mae's total and count (the loss tracker's exist before)
     # Asked of this model: stage 1 on eight replicas shards the flat slots (when the buffers are on).
     sharded = kmp.memory_estimate(model, stage=1, replicas=8)
     eighth = -(-PARAMETERS // 8) if flat_buffers and estimate.optimizer != "lamb" else PARAMETERS
+    one_process = replicas == 2  # the two logical CPUs: the flat weights in shards too
     flat_sums = 4 * 8 * eighth if accumulation and eighth < PARAMETERS else sums
     assert sharded.flat_copies == (4 * (eighth if one_process else PARAMETERS) + 4 * slots * eighth + flat_sums
                                    + segment_ids if flat_buffers else 0)
