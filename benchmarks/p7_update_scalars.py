@@ -10,11 +10,16 @@ one XLA function over the same three buffers, side by side:
 - kmp's update (learning rate and step count at run time, as a schedule needs);
 - a flat copy of the weights (the bandwidth limit).
 
-Found on 2026-11-26 (docs/distributed.md, "What limits P1"): the optimized
+Found on 2026-11-26 (docs/distributed.md, "What limits P1"), before the fix: the optimized
 HLO of the first two is the same three loop fusions, yet the runtime scalar
 in the weights' fusion costs about 1.5 ms on 2.6M elements (2.0 -> 3.5 ms);
-the unused argument costs nothing. Passing it as a [1] vector or computing
-it inside the function did not help. Not fixed: this benchmark reproduces it.
+the unused argument costs nothing. The cause: XLA:CPU (TensorFlow 2.21)
+emits that fusion as a scalar loop, not <8 x float> vectors, when the
+length is not a multiple of 8 (the engine's 2,631,937 is odd) and a runtime
+scalar is in it (its optimized LLVM IR: scalar fdiv and sqrt against
+vector ones). The same Adam on a length that is a multiple of 8 runs at the
+constant's speed, and kmp.flat now pads its buffers to whole units of 16
+elements (kmp.memory.ALIGN): its row here then matches.
 
     python benchmarks/p7_update_scalars.py [--rounds 5] [--calls 200]
 """
@@ -55,6 +60,16 @@ def main() -> None:
         v.assign(0.999 * v + 0.001 * g * g)
         w.assign_sub(learning_rate * m / (tf.sqrt(v) + 1e-7))
 
+    # The same Adam on buffers whose length is a multiple of 8 (the engine's, less 1 to 7 elements).
+    n8 = buffers.size // 8 * 8
+    w8, m8, v8 = (tf.Variable(tf.zeros([n8]) + 0.5) for _ in range(3))
+
+    def adam8(g, learning_rate):
+        m8.assign(0.9 * m8 + 0.1 * g[:n8])
+        v8.assign(0.999 * v8 + 0.001 * g[:n8] * g[:n8])
+        w8.assign_sub(learning_rate * m8 / (tf.sqrt(v8) + 1e-7))
+
+    aligned = tf.function(adam8, jit_compile=True)
     constant = tf.function(lambda g: adam(g, 1e-4), jit_compile=True)
     runtime = tf.function(adam, jit_compile=True)
     unused = tf.function(lambda g, learning_rate: adam(g, 1e-4), jit_compile=True)
@@ -64,6 +79,7 @@ def main() -> None:
         "plain Adam, constant learning rate": lambda: constant(grad),
         "plain Adam, runtime learning rate": lambda: runtime(grad, lr),
         "plain Adam, an unused runtime scalar": lambda: unused(grad, lr),
+        "plain Adam, runtime learning rate, length % 8 == 0": lambda: aligned(grad, lr),
         "kmp's flat update": lambda: flat(grad, lr),
         "flat copy of the weights": lambda: copy(grad),
     }

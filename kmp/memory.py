@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -65,6 +66,9 @@ from kmp.errors import Problem, check, did_you_mean
 STAGES = (0, 1)
 STATES = ("32bit", "8bit")
 BLOCK_SIZE = 256  # parameters per float32 scale of 8-bit states
+# Elements every flat buffer and shard is a whole number of (kmp.flat): XLA:CPU vectorizes the
+# update's loop, which reads the learning rate at run time, only over a multiple of 8.
+ALIGN = 16
 # Slots per parameter, as Keras 3.15's optimizers' build() adds them (amsgrad, RMSprop's options: read from one).
 SLOTS = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "lion": 1, "adagrad": 1, "lamb": 2, "rmsprop": 1,
          "adamax": 2, "adadelta": 2, "ftrl": 2}
@@ -221,16 +225,18 @@ def _estimate(s: Setup) -> MemoryEstimate:
     flat_shards = s.flat_buffers and s.optimizer != "lamb" and n > 1
     moved = flat_shards and s.stage == 1
     sharded = moved or (flat_shards and s.one_process)
+    # The flat buffers: every variable starts on a block (8-bit states), the whole is padded to
+    # units of ALIGN elements and whole blocks, and a shard is a whole number of units (kmp.flat).
+    block = s.block_size if s.states == "8bit" else 1
+    unit = math.lcm(block, ALIGN)
+    flat_p = -(-sum(-(-k // block) * block for k in (s.sizes or (p,))) // unit) * unit
+    shard = -(-flat_p // (n * unit)) * unit if sharded else flat_p
     if s.states == "8bit":
-        # A byte per moment and a float32 scale per block of each variable. The flat buffers start
-        # every variable on a block and shard by whole blocks (kmp.flat).
+        # A byte per moment and a float32 scale per block of each variable.
         blocks = sum(-(-k // s.block_size) for k in (s.sizes or (p,)))
-        flat_p = blocks * s.block_size
-        shard = -(-blocks // n) * s.block_size if sharded else flat_p
         state = s.slots * (p + 4 * blocks)
         flat_state = s.slots * shard // s.block_size * (s.block_size + 4)
     else:
-        flat_p, shard = p, -(-p // n) if sharded else p
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.flat, weight_shards).
     flat_weights = shard if sharded and s.one_process else flat_p

@@ -87,29 +87,31 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
         assert allocated == expected, device
     # By hand: float32 masters only (mixed precision keeps no 16-bit copy), the slots, the sums, the buffers.
     slots = {"sgd_momentum": 1, "adam": 2, "adamw": 2, "lamb": 2}[estimate.optimizer]
-    segment_ids = 4 * PARAMETERS if estimate.optimizer == "lamb" else 0  # kmp.flat's per-element ids
+    # The flat buffers pad 227 parameters to whole units of 16 elements: 240 (kmp.flat, ALIGN).
+    flat = -(-PARAMETERS // 16) * 16
+    segment_ids = 4 * flat if estimate.optimizer == "lamb" else 0  # kmp.flat's per-element ids
     sums = 4 * PARAMETERS if accumulation else 0
     assert (estimate.parameters, estimate.replicas, estimate.precision) == (PARAMETERS, replicas, precision)
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
-    shard = -(-PARAMETERS // 2) if in_shards else PARAMETERS  # 114 of 227: the flat buffers' shard
+    shard = -(-flat // 32) * 16 if in_shards else flat  # 128 of 240: two shards of whole units
     # At stage 1 Keras's copy of the slots is held once in host memory, on no replica's device (kmp.zero).
     held = 4 * slots * PARAMETERS
     state, host = (0, held) if stage else (held, 0)
     assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, state, sums)
     assert estimate.host == host
-    # The flat sums add up the flat gradient, zero padded to whole shards when sharded (228 of 227 here).
-    flat_sums = 4 * 2 * shard if accumulation and shard < PARAMETERS else sums
+    # The flat sums add up the flat gradient, zero padded to whole shards when sharded (256 here).
+    flat_sums = (4 * 2 * shard if in_shards else 4 * flat) if accumulation else 0
     assert estimate.flat_copies == (4 * shard + 4 * slots * shard + flat_sums + segment_ids if flat_buffers else 0)
     # Before the first fit, from kmp.prepare's setting: the same, but the metrics' totals (built by fit).
     assert dataclasses.replace(before, scalars=0) == dataclasses.replace(estimate, scalars=0)
     assert estimate.scalars - before.scalars == 2 * 4  # mae's total and count (the loss tracker's exist before)
     # Asked of this model: stage 1 on eight replicas shards the flat slots (when the buffers are on).
     sharded = kmp.memory_estimate(model, stage=1, replicas=8)
-    eighth = -(-PARAMETERS // 8) if flat_buffers and estimate.optimizer != "lamb" else PARAMETERS
+    eighth = -(-flat // 128) * 16 if flat_buffers and estimate.optimizer != "lamb" else flat
     one_process = replicas == 2  # the two logical CPUs: the flat weights in shards too
-    flat_sums = 4 * 8 * eighth if accumulation and eighth < PARAMETERS else sums
-    assert sharded.flat_copies == (4 * (eighth if one_process else PARAMETERS) + 4 * slots * eighth + flat_sums
+    flat_sums = (4 * 8 * eighth if eighth < flat else 4 * flat) if accumulation else 0
+    assert sharded.flat_copies == (4 * (eighth if one_process else flat) + 4 * slots * eighth + flat_sums
                                    + segment_ids if flat_buffers else 0)
 
 
@@ -144,20 +146,21 @@ def test_adam_in_mixed_precision_is_16_bytes_per_parameter_as_4_4_8():
 
 @pytest.mark.parametrize("replicas", [1, 2, 8])
 def test_stage_1_divides_the_flat_slot_copies(replicas):
-    n = 1001  # not divisible: each shard is ceil(n / replicas)
-    shard = -(-n // replicas)
+    n = 1001  # not divisible: the flat buffers hold 1008 (whole units of 16), a shard ceil(1008 / 16N) units
+    flat = 1008
+    shard = -(-flat // (16 * replicas)) * 16
     zero = kmp.memory_estimate(n, replicas=replicas, flat_buffers=True)
     one = kmp.memory_estimate(n, replicas=replicas, stage=1, flat_buffers=True)
     # The flat slots the step updates are sharded; Keras's slot variables (the observable copy) stay
     # whole, held once in host memory at stage 1 instead of on every replica (kmp.zero).
     assert zero.optimizer_state == 8 * n and zero.host == 0
     assert (one.optimizer_state, one.host) == ((0, 8 * n) if replicas > 1 else (8 * n, 0))
-    assert zero.flat_copies == 4 * n + 8 * n and one.flat_copies == 4 * n + 8 * shard  # the weights stay whole
+    assert zero.flat_copies == 4 * flat + 8 * flat and one.flat_copies == 4 * flat + 8 * shard  # the weights stay whole
     # Without the buffers, and with Lamb, nothing is sharded (kmp says so when it trains).
     assert kmp.memory_estimate(n, replicas=replicas, stage=1) == dataclasses.replace(
         kmp.memory_estimate(n, replicas=replicas), stage=1)
     lamb = kmp.memory_estimate(n, optimizer="lamb", replicas=replicas, stage=1, flat_buffers=True)
-    assert lamb.flat_copies == 4 * n + 8 * n + 4 * n
+    assert lamb.flat_copies == 4 * flat + 8 * flat + 4 * flat
     assert (one.weights, one.gradients) == (zero.weights, zero.gradients) == (4 * n, 4 * n)
 
 

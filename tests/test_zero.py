@@ -57,10 +57,10 @@ def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
     # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
     assert buffers.sharded and engine.engine_of(whole).buffers.sharded
     local = two_replicas.experimental_local_results
-    # 161 parameters: two shards of 81, the second padded by one. In blocks of
-    # 8 (8-bit states) each variable is padded to whole blocks: 168, and two
-    # shards of 11 blocks; one scale per block.
-    size, shard = (168, 88) if optimizer == "adamw8bit" else (161, 81)
+    # 161 parameters, padded to whole units of 16 elements (kmp.flat, ALIGN): 176,
+    # and two shards of 96. In blocks of 8 (8-bit states) each variable is padded
+    # to whole blocks first (168), then the same; one scale per block.
+    size, shard = 176, 96
     # Replicas of one process (logical CPUs) hold the weights in shards too (kmp.flat, weight_shards).
     assert buffers.weight_shards
     for name, variable in buffers.buffers.items():
@@ -238,11 +238,11 @@ def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memo
                    if tf.DeviceSpec.from_string(c.device) == tf.DeviceSpec.from_string(device))
 
     # 161 parameters, Adam: 1288 bytes of state per replica on the per-variable path. On these
-    # replicas of one process the flat buffers are in shards of 81 (the last padded by 1) at both
+    # replicas of one process the flat buffers are in shards of 96 (176 elements: whole units of 16) at both
     # stages; stage 0 keeps Keras's copy on every replica, stage 1 once in host memory.
     replica_1 = "/job:localhost/replica:0/task:0/device:CPU:1"
-    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (1288 + 8 * 81, 8 * 81)
-    assert state_bytes(sharded, zero.host(two_replicas)) == 1288 + 8 * 81  # replica 0's device is the host here
+    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (1288 + 8 * 96, 8 * 96)
+    assert state_bytes(sharded, zero.host(two_replicas)) == 1288 + 8 * 96  # replica 0's device is the host here
     # Keras's per-variable update needs the slots on every replica: they go back, and to the host again.
     for flat_buffers in (False, True):
         for model in (whole, sharded):
@@ -283,8 +283,9 @@ def test_with_the_host_apart_from_the_replicas_each_replica_device_holds_half_th
     done = subprocess.run([sys.executable, "-c", _HOST_APART], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     held = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
-    # 129 parameters, Adam: 8 * 129 = 1032 bytes of state unsharded; a shard is 65 elements.
-    assert held == {0: 1032, 1: 8 * 65, 2: 8 * 65}
+    # 129 parameters, Adam: 8 * 129 = 1032 bytes of state unsharded; the flat buffers hold 144
+    # (whole units of 16), a shard 80 elements.
+    assert held == {0: 1032, 1: 8 * 80, 2: 8 * 80}
 
 
 def test_one_device_has_one_shard(two_replicas):
