@@ -335,11 +335,12 @@ def test_zero_stage_1_across_workers_trains_as_stage_0(workers):
 
 
 def test_each_worker_device_holds_half_the_flat_state_and_keras_copy_once(workers):
-    # 577 parameters, Adam: a shard is ceil(577 / 2) = 289 elements of each moment (the last padded by 1).
+    # 577 parameters, Adam: the flat buffers hold 592 (whole units of 16, kmp.flat), a shard 304
+    # elements of each moment (two units of 16 rounded up).
     for task, w in enumerate(workers):
         held = w["zero_stage1"]["saved"]["bytes"]
-        assert held["shard_elements"] == [289, 289]
-        assert held["shards"] == 8 * 289 and held["keras_copy_on_host"] == 8 * 577
+        assert held["shard_elements"] == [304, 304]
+        assert held["shards"] == 8 * 304 and held["keras_copy_on_host"] == 8 * 577
         # One CPU per worker: the replica's device is the host, which holds Keras's copy (as CPU:0 does
         # under MirroredStrategy in tests/test_zero.py).
         assert held["host"] == held["replica_device"] == f"/job:worker/replica:0/task:{task}/device:CPU:0"
