@@ -166,7 +166,7 @@ class FlatBuffers:
         # (the P1 MLP), and no unused copies on the other replicas.
         one_process = self.replicas > 1 and cpus_of_one_process(self.strategy)
         self.sharded = self.zero or (one_process and not getattr(self.rule, "per_variable", False))
-        # Shards of whole units, so that no block of 8-bit states is split between replicas.
+        # Shards of whole units: vectorized updates, and no block of 8-bit states split between replicas.
         self.shard = -(-self.size // (self.replicas * self.unit)) * self.unit if self.sharded else self.size
         # The flat gradient (and the accumulation sums) padded with zeros to N whole shards, in
         # the backward pass's XLA concatenate where it costs nothing: each replica's shard of it
@@ -254,10 +254,8 @@ class FlatBuffers:
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
         parts = [tf.reshape(tf.zeros(s, tf.float32) if grads[i] is None else tf.cast(grads[i], tf.float32), [-1])
                  for i, s in zip(self.order, self.shapes)]
-        parts = [tf.pad(p, [[0, span - n]]) if span > n else p for p, n, span in zip(parts, self.sizes, self.spans)]
-        if self.length > self.size:
-            parts.append(tf.zeros([self.length - self.size], tf.float32))
-        return tf.concat(parts, axis=0)
+        parts = [_pad_to(p, span) for p, span in zip(parts, self.spans)]
+        return _pad_to(tf.concat(parts, axis=0), self.length)
 
     def segment_finite(self, flat) -> tf.Tensor:
         """Per trainable variable (model order): True iff its part of `flat` (join's) is finite."""

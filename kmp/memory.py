@@ -20,7 +20,8 @@ N replicas:
     accumulators     4*P      kmp.accumulate's float32 sums, when accumulating; never sharded (local until
                               the window closes)
     flat_copies      4*P + k*4*S + 4*P if accumulating (+ 4*P of segment ids with Lamb): the flat-buffer
-                     engine's second copy (kmp.flat, "Memory"), S = P, or ceil(P/N) at stage 1 (its
+                     engine's second copy (kmp.flat, "Memory"; P padded to whole units of ALIGN
+                     elements, S a whole number of units), S = P, or ceil(P/N) at stage 1 (its
                      sums then 4*N*S: they add up the flat gradient, padded to N whole shards; its
                      slots sharded; its weights stay whole: the forward pass reads them). Replicas
                      that are CPUs of one process read each other's memory: at every stage they hold
