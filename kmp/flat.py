@@ -19,7 +19,8 @@ share its memory: there, at every ZeRO stage, each replica holds and steps
 its shard of the weights and slots in place, and every replica's forward
 pass reads all the weight shards (weight_shards). Elsewhere (GPUs, several
 workers) each replica steps its own copy, or at stage 1 its shard, gathered
-into every replica's whole weights (kmp.zero). Lamb, whose trust ratio
+into every replica's whole weights (kmp.zero). A replica that steps a shard
+receives only that shard of the summed gradient (kmp.distribute.scatter). Lamb, whose trust ratio
 needs each variable whole, steps once on those CPUs, on the first replica's
 buffers, which every replica reads (update_once).
 
@@ -257,21 +258,34 @@ class FlatBuffers:
         parts = [_pad_to(p, span) for p, span in zip(parts, self.spans)]
         return _pad_to(tf.concat(parts, axis=0), self.length)
 
-    def segment_finite(self, flat) -> tf.Tensor:
-        """Per trainable variable (model order): True iff its part of `flat` (join's) is finite."""
-        flat = flat[:self.size]
+    def segment_finite(self, flat, offset: int = 0) -> tf.Tensor:
+        """Per trainable variable (model order): True iff its part of `flat` is finite. `flat` is
+        join's whole gradient, or the part of it that starts at element `offset` (a shard: the
+        variables outside it count as finite)."""
+        n, count = flat.shape[0], len(self.spans)
         if overflow.in_xla():
             # Inside a whole-step XLA computation the segment ids of tf.repeat
             # get a padded dynamic shape past a few million elements: one
             # reduction per variable instead (compiled, run on an overflow only).
-            ok = tf.stack([tf.reduce_all(tf.math.is_finite(part)) for part in tf.split(flat, self.spans)])
+            ends = np.cumsum(self.spans)
+            ok = tf.stack([tf.reduce_all(tf.math.is_finite(flat[min(max(end - span - offset, 0), n):
+                                                                min(max(end - offset, 0), n)]))
+                           for end, span in zip(ends, self.spans)])
         else:
-            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), self._segments(),
-                                              len(self.spans)) > 0
+            # The padding past the last variable is a segment of its own, dropped.
+            ids = tf.concat([self._segments(), tf.fill([self.length - self.size], count)], axis=0)
+            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids[offset:offset + n],
+                                              count + 1)[:count] > 0
         return tf.gather(ok, tf.argsort(self.order))
+
+    def shard_offset(self) -> int:
+        """Where this replica's shard starts in the whole buffer (replica context; 0 when not sharded)."""
+        return self._offset(fused._replica()[0])
 
     def update(self, grad, clip_scale, learning_rate) -> None:
         """The optimizer's step on this replica's buffers: one XLA computation (replica context).
+        `grad` is the reduced gradient: whole, or this replica's shard of it when the buffers are
+        sharded (kmp.distribute.scatter).
 
         The caller checks the gradient and skips this when it is not finite.
         Moving the check inside, as a select of the old or new weights and
@@ -305,8 +319,8 @@ class FlatBuffers:
                     tf.no_op)
 
     def update_shard(self, grad, clip_scale, learning_rate) -> tf.Tensor:
-        """ZeRO stage 1: the step on this replica's shard of the weights and of the reduced
-        gradient; returns the new shard (kmp.zero.gather spreads it)."""
+        """ZeRO stage 1: the step on this replica's shard of the weights, given its shard of the
+        reduced gradient; returns the new shard (kmp.zero.gather spreads it)."""
         return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
 
     def weight_shard(self) -> tf.Tensor:
@@ -359,9 +373,8 @@ class FlatBuffers:
             s["segments"] = fused._local(self.segment_ids).read_value()
             s["count"] = len(self.sizes)
         value = old = weights.read_value()
-        if self.sharded:
-            value = old = self._shard_of(value, offset) if self.gathers else value
-            grad = self._shard_of(grad, offset)
+        if self.gathers:  # the whole weights held, this replica's shard stepped
+            value = old = self._shard_of(value, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
         index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer

@@ -7,6 +7,9 @@
                              finite gradients too large to square still get a
                              finite norm; a gradient holding inf or nan makes
                              every gradient nan, so the finite check sees it
+    norm_parts(g) / norm_of_parts(largest, rest)
+                             the same norm from shards: each shard's two
+                             numbers, combined on every replica
 
 Plain TensorFlow on tensors: no variables, no distribution.
 """
@@ -63,13 +66,41 @@ def global_norm(grads):
     return tf.cond(tf.math.is_inf(norm), rescaled, lambda: norm)
 
 
+def norm_parts(g):
+    """(largest, rest) with norm(g) = largest * sqrt(rest): (1, sum of squares), or, where the
+    squares of finite values overflow, (max |g|, sum of (g / max |g|)^2), as global_norm does."""
+    squares = tf.reduce_sum(tf.square(g))
+
+    def rescaled():
+        largest = tf.reduce_max(tf.abs(g))
+        return largest, tf.reduce_sum(tf.square(g / largest))
+
+    return tf.cond(tf.math.is_inf(squares), rescaled, lambda: (tf.ones([]), squares))
+
+
+def norm_of_parts(largest, rest):
+    """The norm of every shard's gradient from each shard's norm_parts (two vectors):
+    L * sqrt(sum (largest / L)^2 * rest), L = max largest; sqrt(sum rest) when no square overflowed.
+
+    In float64 (a few numbers): shards whose sums of squares are each finite
+    can add up past float32's range, where the whole gradient's norm is finite.
+    """
+    largest, rest = tf.cast(largest, tf.float64), tf.cast(rest, tf.float64)
+    top = tf.reduce_max(largest)
+    return tf.cast(top * tf.sqrt(tf.reduce_sum(tf.square(largest / top) * rest)), tf.float32)
+
+
 def global_clip_scale(grads, clip_norm):
     """The factor Keras's `clip_by_global_norm` multiplies every gradient by.
 
     min(1, clip_norm / norm), and nan when the norm is not finite: a clip of an
     overflowing gradient must not look finite.
     """
-    norm = global_norm(grads)
+    return clip_scale(global_norm(grads), clip_norm)
+
+
+def clip_scale(norm, clip_norm):
+    """global_clip_scale's factor for a gradient of norm `norm`."""
     scale_for_finite = clip_norm * ops.minimum(1.0 / norm, 1.0 / clip_norm)
     return scale_for_finite + (norm - norm)
 

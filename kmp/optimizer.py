@@ -46,10 +46,12 @@ from keras import ops
 from kmp import loss_scale, overflow, replica_state, seams, values, wall_clock, zero
 from kmp.accumulate import Accumulation
 from kmp.config import LossScaleConfig, attempt, communication_of
-from kmp.distribute.communication import reduce_mean
+from kmp.distribute.communication import chunks, reduce_mean
+from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
 from kmp.errors import Problem, check, did_you_mean
 from kmp.fused import fused_apply, fused_step
-from kmp.gradients import finite_flags, global_clip_scale, typed_where, unscale
+from kmp.gradients import (clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts, typed_where,
+                           unscale)
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 
@@ -292,14 +294,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._flat_effective_step(total, buffers, count)
 
     def _flat_effective_step(self, grad, buffers, count):
-        reduced = reduce_mean(_chunks(grad, self.communication), self.communication, self.dynamic_scale.value, count)
-        grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
-        wall_clock.stamp("reduced", grad)
-        finite = tf.reduce_all(tf.math.is_finite(grad))
-        clip = None
-        if self.gradient_clipping is not None:
-            clip = global_clip_scale([grad], self.gradient_clipping)
-            finite = finite & tf.math.is_finite(clip)
+        flags = None
+        if buffers.sharded:  # each replica steps its shard: it needs the sum of that shard only
+            grad = reduce_scatter_mean(grad, buffers.shard, self.communication, self.dynamic_scale.value, count)
+            wall_clock.stamp("reduced", grad)
+            finite, clip, flags = self._shard_check(grad, buffers)
+        else:
+            reduced = reduce_mean(chunks(grad, self.communication), self.communication, self.dynamic_scale.value,
+                                  count)
+            grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
+            wall_clock.stamp("reduced", grad)
+            finite = tf.reduce_all(tf.math.is_finite(grad))
+            clip = None
+            if self.gradient_clipping is not None:
+                clip = global_clip_scale([grad], self.gradient_clipping)
+                finite = finite & tf.math.is_finite(clip)
         learning_rate = self.inner_optimizer._get_current_learning_rate()
         wall_clock.stamp("checked", [finite, clip])
         if buffers.gathers:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
@@ -311,10 +320,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
         wall_clock.stamp("updated", buffers.local("weights"))
         variables = self._trainable_variables
-        # Which variables overflowed, for the log line: computed on an overflow only.
-        flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
+        if flags is None:
+            # Which variables overflowed, for the log line: computed on an overflow only.
+            flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
         self._adjust(finite, flags, variables)  # one vector: no op per variable on a clean step
         wall_clock.stamp("adjusted", self.skipped_steps)
+
+    def _shard_check(self, shard, buffers):
+        """(finite, clip factor or None, per-variable finite flags) of the whole reduced gradient,
+        from this replica's `shard` of it: each replica checks its own shard, and every replica
+        gets every shard's few numbers (whether finite, norm_parts, its flags), so all decide alike."""
+        finite_here = tf.reduce_all(tf.math.is_finite(shard))
+        count = len(buffers.sizes)
+        # Which variables hold the inf or nan: computed on the shard that has one only.
+        flags = tf.cond(finite_here, lambda: tf.ones([count], tf.bool),
+                        lambda: buffers.segment_finite(shard, buffers.shard_offset()))
+        numbers = [tf.cast(finite_here, tf.float32)[None]]
+        if self.gradient_clipping is not None:
+            numbers += [n[None] for n in norm_parts(shard)]
+        rows = gather_rows(tf.concat(numbers + [tf.cast(flags, tf.float32)], axis=0))
+        finite = tf.reduce_all(rows[:, 0] > 0)
+        clip = None
+        if self.gradient_clipping is not None:
+            clip = clip_scale(norm_of_parts(rows[:, 1], rows[:, 2]), self.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)
+        return finite, clip, tf.reduce_all(rows[:, len(numbers):] > 0, axis=0)
 
     def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
         # Every replica computed `finite` from the same reduced gradients. A
@@ -418,16 +448,6 @@ def _each_replica(strategy, fn, *args):
     if tf.distribute.in_cross_replica_context():
         return strategy.extended.call_for_each_replica(fn, args=args)
     return fn(*args)
-
-
-def _chunks(flat, communication) -> list:
-    """`flat` cut into the all-reduce buckets (`bytes_per_pack`; 0: one)."""
-    per_bucket = communication.bytes_per_pack // tf.as_dtype(communication.dtype).size
-    size = flat.shape[0]
-    if not per_bucket or size <= per_bucket:
-        return [flat]
-    sizes = [per_bucket] * (size // per_bucket) + ([size % per_bucket] if size % per_bucket else [])
-    return tf.split(flat, sizes)
 
 
 def _as_given(grads_and_vars):

@@ -67,6 +67,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "kmp.Adam8bit under MultiWorkerMirroredStrategy (kmp.distribute.same_start): uint8 variables made "
         "without the initial value's broadcast, which takes no uint8",
     ),
+    "all_to_all_v2": (
+        "tensorflow.python.ops.collective_ops", "all_to_all_v2",
+        "the flat gradient's reduce-scatter under MultiWorkerMirroredStrategy (kmp.distribute.scatter)",
+    ),
     "TFOptimizer": (
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
@@ -120,6 +124,19 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": (
         "_get_variable_creator_initial_value",  # kmp.distribute.same_start: shadowed on the instance for a block
+    ),
+    "tf.distribute MultiWorkerMirroredStrategy's extended": (
+        "_cross_device_ops",       # kmp.distribute.scatter: its launchers, for the all-to-all
+    ),
+    "tf.distribute CollectiveAllReduce (those cross-device ops)": (
+        "_launchers",              # one per local replica
+    ),
+    "tf.distribute CollectiveReplicaLauncher": (
+        "_group_key", "_group_size", "_device", "_options",
+        "_next_instance_key", "_get_ordering_token",  # the keys and order its own collectives use
+    ),
+    "tf.distribute ReplicaContext": (
+        "_replica_id",             # kmp.distribute.scatter: this replica's local index (its launcher)
     ),
     "tf.data.Dataset": (
         "_inputs",                 # kmp.input_pipeline: walks the pipeline to refuse a batched dataset

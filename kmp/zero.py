@@ -44,11 +44,13 @@ TensorFlow's multi-worker rule has every worker call), and stores the
 weights alone, with no collective, for the readers one worker may call
 alone (get_weights, evaluate, predict, export).
 
-The gradient's reduce stays TensorFlow's all-reduce of the whole flat
-gradient (kmp.distribute.communication), each replica then taking its
-slice: tf.distribute has no reduce-scatter, and one written by hand the
-same way (each shard summed on its owner's device in a merge_call) was not
-faster in the combinations measured with the gathers above (1.12-1.22x).
+The gradient is reduce-scattered (kmp.distribute.scatter): each replica
+receives the sum of its shard only, and checks and clips from a few numbers
+per shard that every replica shares. Between workers that is TensorFlow's
+all-to-all collective, half the bytes of the all-reduce; on replicas of one
+process, each shard is summed on its owner's device. (Written that way
+before the weight shards, with the gathers above, it measured 1.12-1.22x
+stage 0's step; what it measures now is in docs/zero.md.)
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ INITIAL_SCALE, GROWTH_STEPS = 64.0, 2
 # stops both workers as soon as one exits).
 COLLECTIVE_TIMEOUT_S = 150
 ACCUMULATION = 3  # micro-batches per optimizer step in the accumulation run
+SCATTER_SHARD = 5  # elements of each replica's shard in scatter_across_workers
 
 
 def make_data():
@@ -371,7 +372,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     mine = directory if task == 0 else os.path.join(directory, f"workertemp_{task}")
     os.makedirs(mine, exist_ok=True)
-    out = {"directory": directory, "trained": train(strategy, zero_stage=1)}
+    out = {"directory": directory, "trained": train(strategy, zero_stage=1), "scatter": scatter_across_workers(strategy)}
 
     def state_bytes(model):
         buffers = kmp.engine.engine_of(model).buffers
@@ -428,6 +429,36 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
             "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
             "engine": None if engine is None else ("sharded" if engine.buffers.sharded else "whole"),
             "skipped_steps": int(model.optimizer.skipped_steps.numpy())}
+    return out
+
+
+def scatter_across_workers(strategy) -> dict:
+    """kmp.distribute.scatter across the workers, per communication setting: each replica's shard of
+    the summed flat gradient, every replica's row, and the collectives the traced step holds."""
+    import tensorflow as tf
+
+    from kmp.config import Communication
+    from kmp.distribute import scatter
+
+    out = {}
+    for name, communication in (("one collective", Communication()),
+                                ("bytes_per_pack 16", Communication(bytes_per_pack=16)),
+                                ("float16", Communication(dtype="float16"))):
+        @tf.function
+        def step():
+            def on_replica():
+                replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+                flat = tf.range(2 * SCATTER_SHARD, dtype=tf.float32) * (replica + 1.0) + 0.5
+                return (scatter.reduce_scatter_mean(flat, SCATTER_SHARD, communication, tf.constant(4.0), count=2.0),
+                        scatter.gather_rows(tf.stack([replica, 10.0 * replica])))
+
+            return strategy.run(on_replica)
+
+        shard, rows = (strategy.experimental_local_results(t)[0].numpy().tolist() for t in step())
+        graph = step.get_concrete_function().graph.as_graph_def()
+        nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+        out[name] = {"shard": shard, "rows": rows,
+                     "collectives": sorted(n.op for n in nodes if n.op.startswith("Collective"))}
     return out
 
 

@@ -52,7 +52,18 @@ def _objects(strategy):
     """One real object of each kind ATTRIBUTE_SEAMS names."""
     with strategy.scope():
         mirrored = tf.Variable(1.0)
+    contexts = []
+    strategy.run(lambda: contexts.append(tf.distribute.get_replica_context()))
+    # MultiWorkerMirroredStrategy's cross-device ops, made as it makes them (a strategy of that kind
+    # would configure this process's collectives: tests/test_multiworker.py runs one for real).
+    from tensorflow.python.distribute import collective_util, cross_device_ops
+    collective = cross_device_ops.CollectiveAllReduce(["/cpu:0", "/cpu:1"], 2, collective_util.Options())
     return {
+        # Its extended is a MirroredExtended: the attribute is set there.
+        "tf.distribute MultiWorkerMirroredStrategy's extended": [strategy.extended],
+        "tf.distribute CollectiveAllReduce (those cross-device ops)": [collective],
+        "tf.distribute CollectiveReplicaLauncher": collective._launchers,
+        "tf.distribute ReplicaContext": contexts,
         "keras.Model (TensorFlow trainer)": [_model()],
         "keras.layers.Layer": [keras.layers.Dense(1), _model()],
         "keras.optimizers.Optimizer": [_built(keras.optimizers.Adam), _built(keras.optimizers.AdamW)],

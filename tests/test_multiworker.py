@@ -334,6 +334,23 @@ def test_zero_stage_1_across_workers_trains_as_stage_0(workers):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_gradient_is_reduce_scattered_by_tensorflows_all_to_all(workers):
+    """Each worker receives the sum of its shard only (half the bytes of an all-reduce): one
+    CollectiveAllToAllV2 per bucket and no CollectiveReduceV2; the shared numbers by an all-gather
+    (TensorFlow's all_gather gathers the shapes first: two CollectiveGatherV2)."""
+    shard = worker.SCATTER_SHARD
+    flat = np.arange(2 * shard, dtype=np.float32)
+    whole = (flat * 1.0 + 0.5 + flat * 2.0 + 0.5) / 2.0  # both replicas' flat gradients summed, over count=2
+    for task, w in enumerate(workers):
+        results = w["zero_stage1"]["scatter"]
+        for name, buckets in (("one collective", 1), ("bytes_per_pack 16", 3), ("float16", 1)):
+            got = results[name]
+            # 16 bytes per collective: 2 columns of the [2 x 5] float32 rows, so 3 all-to-alls.
+            assert got["collectives"] == ["CollectiveAllToAllV2"] * buckets + ["CollectiveGatherV2"] * 2, name
+            np.testing.assert_allclose(got["shard"], whole[task * shard:(task + 1) * shard], rtol=1e-3)
+            assert got["rows"] == [[0.0, 0.0], [1.0, 10.0]], name
+
+
 def test_each_worker_device_holds_half_the_flat_state_and_keras_copy_once(workers):
     # 577 parameters, Adam: the flat buffers hold 592 (whole units of 16, kmp.flat), a shard 304
     # elements of each moment (two units of 16 rounded up).

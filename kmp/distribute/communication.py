@@ -145,6 +145,16 @@ def _buckets(grads: list, itemsize: int, bytes_per_pack: int) -> list[list[int]]
     return groups
 
 
+def chunks(flat, communication: Communication) -> list:
+    """One flat tensor cut into the all-reduce buckets (`bytes_per_pack` bytes in its dtype; 0: one)."""
+    per_bucket = communication.bytes_per_pack // tf.as_dtype(communication.dtype).size
+    size = flat.shape[0]
+    if not per_bucket or size <= per_bucket:
+        return [flat]
+    sizes = [per_bucket] * (size // per_bucket) + ([size % per_bucket] if size % per_bucket else [])
+    return tf.split(flat, sizes)
+
+
 def reduce_mean(grads: list, communication: Communication, loss_scale, count=None, weight=None) -> list:
     """The gradient to apply: summed across replicas once, then averaged.
 
