@@ -19,10 +19,11 @@ share its memory: there, at every ZeRO stage, each replica holds and steps
 its shard of the weights and slots in place, and every replica's forward
 pass reads all the weight shards (weight_shards). Elsewhere (GPUs, several
 workers) each replica steps its own copy, or at stage 1 its shard, gathered
-into every replica's whole weights (kmp.zero). A replica that steps a shard
-receives only that shard of the summed gradient (kmp.distribute.scatter). Lamb, whose trust ratio
-needs each variable whole, steps once on those CPUs, on the first replica's
-buffers, which every replica reads (update_once).
+into every replica's whole weights (kmp.zero). A replica that steps a
+shard receives only that shard of the summed gradient (kmp.distribute
+.scatter). Lamb, whose trust ratio needs each variable whole, steps once on
+those CPUs, on the first replica's buffers, which every replica reads
+(update_once).
 
 Layout: the trainable variables (all float32: mixed precision keeps float32
 masters) in Keras's `model.trainable_variables` order, except that the ones
