@@ -4,7 +4,6 @@ flat gradient, and the few numbers every replica needs from the others' shards, 
 The two-worker case (TensorFlow's all-to-all) runs in tests/multiworker_worker.py.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -136,13 +135,41 @@ def test_each_shards_flags_combine_to_the_whole_gradients(two_replicas, jit_comp
     for bad in ({last: np.inf}, {0: np.nan}, {0: np.nan, last: -np.inf}, {}):
         whole = np.ones(buffers.length, "float32")
         whole[list(bad)] = list(bad.values())
-        positions = list(bad)
         flags = tf.function(buffers.segment_finite, jit_compile=jit_compile)
         expected = flags(tf.constant(whole)).numpy()
         shards = [tf.function(lambda s, o=o: buffers.segment_finite(s, o), jit_compile=jit_compile)(
             tf.constant(whole[o:o + buffers.shard])).numpy() for o in (0, buffers.shard)]
         np.testing.assert_array_equal(shards[0] & shards[1], expected)
-        assert int((~expected).sum()) == len(positions)
+        assert int((~expected).sum()) == len(bad)
+
+
+def test_an_inf_in_the_second_shard_alone_skips_the_step_on_every_replica_and_names_its_variable(two_replicas):
+    """Only replica 1 checks the shard that holds the inf; replica 0 takes the same decision from the
+    gathered rows, and the overflow names the variable (kmp.optimizer's _shard_check)."""
+    model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=True)
+    model.fit(*_data_of(16), batch_size=8, epochs=1, verbose=0)
+    buffers, optimizer = engine.engine_of(model).buffers, model.optimizer
+    last = int(np.cumsum(buffers.spans)[-2])  # the first element of the last variable in the buffer
+    assert last >= buffers.shard
+    whole = np.full(buffers.length, 1e-3, "float32")
+    whole[last] = np.inf
+    local = two_replicas.experimental_local_results
+    before = [w.numpy() for w in local(buffers.buffers["weights"])]
+    skipped, scale = int(optimizer.skipped_steps.numpy()), float(optimizer.dynamic_scale.numpy())
+
+    @tf.function
+    def step(flat):
+        two_replicas.run(lambda: optimizer.apply_flat(flat, buffers))
+
+    step(tf.constant(whole))
+    assert int(optimizer.skipped_steps.numpy()) == skipped + 1 and float(optimizer.dynamic_scale.numpy()) < scale
+    assert int(optimizer.overflow_variable.numpy()) == buffers.order[-1]  # its place in the model's variables
+    for a, b in zip(before, [w.numpy() for w in local(buffers.buffers["weights"])], strict=True):
+        np.testing.assert_array_equal(a, b)
+    whole[last] = 1e-3  # the same gradient, finite: every replica's shard moves
+    step(tf.constant(whole))
+    assert int(optimizer.skipped_steps.numpy()) == skipped + 1
+    assert all(not np.array_equal(a, w.numpy()) for a, w in zip(before, local(buffers.buffers["weights"])))
 
 
 def _data_of(rows):
