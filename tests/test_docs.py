@@ -390,9 +390,9 @@ TEXT_CHECKS = {
 
 # The first line of a block that is not checked -> why.
 NOT_RUN = {
-    "grad = this replica's flat float32 gradient                 (forward/backward, XLA)":
+    "grad = this replica's flat float32 gradient, N*S elements   (forward/backward, XLA; S = ceil(P/N))":
         "pseudo-code of one step at ZeRO stage 1",
-    "weights[k] = update(weights[k], grad[k*S:(k+1)*S], slots)        if finite    (XLA, in place)":
+    "weights[k] = update(weights[k], g_k, slots)        if finite    (XLA, in place; g_k as above)":
         "pseudo-code of ZeRO stage 1's update and forward pass on replicas of one process",
     "grads  = float32(local gradients) / scale   # unscale first, on each replica":
         "pseudo-code of one optimizer step",
