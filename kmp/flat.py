@@ -163,9 +163,12 @@ class FlatBuffers:
         self.zero = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
         # Replicas that are CPUs of this process share its memory: at any stage each holds its
         # shard of the weights and slots, steps it in place, and every replica's forward pass
-        # reads all the weight shards (read_weights). Against one update of whole buffers on
-        # the first replica's (update_once, before): 0.93-0.95x its step on two logical CPUs
-        # (the P1 MLP), and no unused copies on the other replicas.
+        # reads all the weight shards (read_weights): no unused copies on the other replicas,
+        # and stage 0 and stage 1 take the same step. One update of whole buffers on the first
+        # replica's (update_once): this step took 0.93-0.95x its time before the buffers were
+        # padded, and it takes 0.91-0.96x this step's since (the P1 MLP, two logical CPUs), but
+        # stage 1 cannot step that way (one XLA computation cannot touch both devices' shards):
+        # docs/distributed.md, "What limits P1".
         one_process = self.replicas > 1 and cpus_of_one_process(self.strategy)
         self.sharded = self.zero or (one_process and not getattr(self.rule, "per_variable", False))
         # Shards of whole units: vectorized updates, and no block of 8-bit states split between replicas.
