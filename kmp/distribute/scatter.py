@@ -15,9 +15,9 @@ How the shards are summed, by where the replicas are:
 
 - CPUs of one process (MirroredStrategy on logical CPUs) share its memory:
   one merge_call, in which shard i is the add_n of every replica's slice i,
-  made on replica i's device. Each replica adds half the elements that one
-  add_n of the whole gradient adds (kmp.distribute.communication's `_sum`),
-  and checks half of them afterwards.
+  made on replica i's device. Each replica adds 1/N of the elements that
+  one add_n of the whole gradient adds (kmp.distribute.communication's
+  `_sum`), and checks only those afterwards.
 - Several workers (MultiWorkerMirroredStrategy): TensorFlow's all-to-all
   collective sends slice i of every replica's gradient to replica i, which
   adds the N slices it receives. Each worker sends and receives (N-1)/N of
