@@ -266,20 +266,20 @@ class FlatBuffers:
         """Per trainable variable (model order): True iff its part of `flat` is finite. `flat` is
         join's whole gradient, or the part of it that starts at element `offset` (a shard: the
         variables outside it count as finite)."""
-        n, count = flat.shape[0], len(self.spans)
+        count = len(self.spans)
         if overflow.in_xla():
             # Inside a whole-step XLA computation the segment ids of tf.repeat
             # get a padded dynamic shape past a few million elements: one
             # reduction per variable instead (compiled, run on an overflow only).
-            ends = np.cumsum(self.spans)
-            ok = tf.stack([tf.reduce_all(tf.math.is_finite(flat[min(max(end - span - offset, 0), n):
-                                                                min(max(end - offset, 0), n)]))
-                           for end, span in zip(ends, self.spans)])
+            # Each variable's [start, end) in `flat` (slices past its end are empty).
+            starts = np.cumsum([0] + self.spans[:-1]) - offset
+            ok = tf.stack([tf.reduce_all(tf.math.is_finite(flat[max(start, 0):max(start + span, 0)]))
+                           for start, span in zip(starts, self.spans)])
         else:
             # The padding past the last variable is a segment of its own, dropped.
             ids = tf.concat([self._segments(), tf.fill([self.length - self.size], count)], axis=0)
-            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids[offset:offset + n],
-                                              count + 1)[:count] > 0
+            ids = ids[offset:offset + flat.shape[0]]
+            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids, count + 1)[:count] > 0
         return tf.gather(ok, tf.argsort(self.order))
 
     def shard_offset(self) -> int:

@@ -51,8 +51,6 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
         return list(grads)
     communication = communication or Communication()
     dtype = tf.as_dtype(communication.dtype)
-    pre = factor(ctx.num_replicas_in_sync, communication, loss_scale)
-    times = (lambda g: g) if pre is None else (lambda g: g * pre)
 
     # TensorFlow's collectives pack by the same size (MultiWorkerMirrored);
     # a bucket is already within it, so this only keeps TF from re-splitting.
@@ -61,10 +59,8 @@ def all_reduce_sum(grads: list, communication: Communication | None = None, loss
     flat = [i for i, g in enumerate(grads) if _flattenable(g)]
     for bucket in _buckets([grads[i] for i in flat], dtype.size, communication.bytes_per_pack):
         members = [flat[k] for k in bucket]
-        buffer = tf.concat([tf.reshape(times(grads[i]), [-1]) for i in members], axis=0)
-        buffer = tf.cast(_sum(ctx, tf.cast(buffer, dtype), options), tf.float32)
-        if pre is not None:
-            buffer = buffer / pre
+        buffer = tf.concat([tf.reshape(grads[i], [-1]) for i in members], axis=0)
+        buffer = in_transit(buffer, communication, loss_scale, lambda sent: _sum(ctx, sent, options))
         sizes = [grads[i].shape.num_elements() for i in members]
         for i, part in zip(members, tf.split(buffer, sizes)):
             out[i] = tf.reshape(part, grads[i].shape)
@@ -105,6 +101,14 @@ def _add_on_first_device(strategy, per_replica):
     parts = strategy.experimental_local_results(per_replica)
     with tf.device(parts[0].device):
         return tf.add_n(parts)
+
+
+def in_transit(flat, communication: Communication, loss_scale, reduce):
+    """reduce(flat as it travels): times factor() and in communication.dtype; back to float32 after, divided."""
+    pre = factor(tf.distribute.get_replica_context().num_replicas_in_sync, communication, loss_scale)
+    sent = tf.cast(flat if pre is None else flat * pre, communication.dtype)
+    out = tf.cast(reduce(sent), tf.float32)
+    return out if pre is None else out / pre
 
 
 def factor(replicas: int, communication: Communication, loss_scale):

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from kmp import seams
 from kmp.config import Communication
-from kmp.distribute.communication import all_reduce_sum, chunks, cpus_of_one_process, factor
+from kmp.distribute.communication import all_reduce_sum, chunks, cpus_of_one_process, in_transit
 
 
 def reduce_scatter_mean(flat, shard: int, communication: Communication, loss_scale, count=None):
@@ -51,18 +51,15 @@ def reduce_scatter_mean(flat, shard: int, communication: Communication, loss_sca
         raise ValueError(f"reduce_scatter_mean expects {replicas} x {shard} elements. Received: {flat.shape[0]}.")
     if replicas == 1:
         out = flat
-    elif not (cpus_of_one_process(ctx.strategy) or _collective(ctx.strategy)):
+    elif cpus_of_one_process(ctx.strategy):
+        out = in_transit(flat, communication, loss_scale,
+                         lambda sent: ctx.merge_call(_add_on_owners, args=(sent, shard)))
+    elif _collective(ctx.strategy):
+        out = in_transit(flat, communication, loss_scale,
+                         lambda sent: _all_to_all_sum(ctx, sent, shard, communication))
+    else:
         whole = tf.concat(all_reduce_sum(chunks(flat, communication), communication, loss_scale), axis=0)
         out = tf.reshape(whole, [replicas, shard])[ctx.replica_id_in_sync_group]
-    else:
-        pre = factor(replicas, communication, loss_scale)
-        sent = tf.cast(flat if pre is None else flat * pre, communication.dtype)
-        if cpus_of_one_process(ctx.strategy):
-            out = ctx.merge_call(_add_on_owners, args=(sent, shard))
-        else:
-            out = _all_to_all_sum(ctx, sent, shard, communication)
-        out = tf.cast(out, tf.float32)
-        out = out if pre is None else out / pre
     return out if count is None else out / count
 
 
@@ -111,7 +108,8 @@ def _all_to_all_sum(ctx, sent, shard: int, communication: Communication):
     replicas = ctx.num_replicas_in_sync
     rows = tf.reshape(sent, [replicas, shard])
     # At most bytes_per_pack bytes of the whole gradient per collective (0: one).
-    width = max(1, communication.bytes_per_pack // (replicas * sent.dtype.size)) if communication.bytes_per_pack else shard
+    pack = communication.bytes_per_pack
+    width = max(1, pack // (replicas * sent.dtype.size)) if pack else shard
     sums = []
     for start in range(0, shard, width):
         with tf.device(launcher._device):
