@@ -50,8 +50,8 @@ from kmp.distribute.communication import chunks, reduce_mean
 from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
 from kmp.errors import Problem, check, did_you_mean
 from kmp.fused import fused_apply, fused_step
-from kmp.gradients import (clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts, typed_where,
-                           unscale)
+from kmp.gradients import (all_finite, clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts,
+                           typed_where, unscale)
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 
@@ -304,7 +304,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                   count)
             grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
             wall_clock.stamp("reduced", grad)
-            finite = tf.reduce_all(tf.math.is_finite(grad))
+            finite = all_finite(grad)
             clip = None
             if self.gradient_clipping is not None:
                 clip = global_clip_scale([grad], self.gradient_clipping)
@@ -330,7 +330,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """(finite, clip factor or None, per-variable finite flags) of the whole reduced gradient,
         from this replica's `shard` of it: each replica checks its own shard, and every replica
         gets every shard's few numbers (whether finite, norm_parts, its flags), so all decide alike."""
-        finite_here = tf.reduce_all(tf.math.is_finite(shard))
+        finite_here = all_finite(shard)
         count = len(buffers.sizes)
         # Which variables hold the inf or nan: computed on the shard that has one only.
         flags = tf.cond(finite_here, lambda: tf.ones([count], tf.bool),
