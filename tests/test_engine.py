@@ -231,6 +231,44 @@ def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
     _assert_close(seen_one.seen, seen_other.seen, rtol=0, atol=0)
 
 
+
+def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
+    # Inside XLA, variables of kmp.flat.IN_PLACE_FROM elements or more are written
+    # into the flat gradient in place and the runs of smaller ones between them
+    # joined; outside XLA everything is joined. With the threshold at 16 this
+    # model has both kinds (out's bias: 1 element), and a variable without a
+    # gradient: the same elements, bit for bit, padded to two shards.
+    model, _ = _trained(True, epochs=1)
+    buffers = engine.engine_of(model).buffers
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=v.shape) * 300, tf.float16) for v in model.trainable_variables]
+    grads[1] = None  # d1's bias
+    scale = tf.constant(128.0)
+    written = []
+    monkeypatch.setattr(type(buffers), "_written_in_place",
+                        lambda self, parts, real=type(buffers)._written_in_place: written.append(1) or real(self, parts))
+    monkeypatch.setattr(buffers, "length", buffers.size + 32)  # as if sharded: zeros past the last variable
+    joined = tf.function(lambda: buffers.join(grads, scale))()
+    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
+    in_place = tf.function(lambda: buffers.join(grads, scale), jit_compile=True)()
+    assert written and in_place.shape == joined.shape == [buffers.size + 32]
+    np.testing.assert_array_equal(in_place.numpy(), joined.numpy())
+    start = [0, *np.cumsum(buffers.spans)]
+    by_variable = {id(v): k for k, v in enumerate(buffers.variables)}
+    for g, v in zip(grads, model.trainable_variables):
+        k = by_variable[id(v)]
+        expected = np.zeros(v.shape, "float32") if g is None else g.numpy().astype("float32") / np.float32(128)
+        np.testing.assert_array_equal(in_place.numpy()[start[k]:start[k] + expected.size], expected.ravel())
+    assert not in_place.numpy()[buffers.size:].any()
+
+
+def test_writing_gradients_in_place_trains_the_same(two_replicas, monkeypatch):
+    keras.config.set_dtype_policy("mixed_float16")
+    joined, _ = _trained(True, two_replicas, "adam", epochs=1)
+    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
+    in_place, _ = _trained(True, two_replicas, "adam", epochs=1)
+    _assert_close(_raw(joined), _raw(in_place), rtol=0, atol=0)
+
 class _Zeroer(keras.callbacks.Callback):
     """Writes a kernel directly in the middle of an epoch."""
 
