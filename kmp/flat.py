@@ -185,6 +185,9 @@ class FlatBuffers:
         # Lamb on those CPUs: one update of whole buffers, on the first replica's, which the others read.
         self.one_update = not self.sharded and one_process
         self.weight_shards = self.sharded and one_process
+        # Each replica's XLA computations share the process's cores with the others': there the
+        # gradient is written in place (join), in loops XLA:CPU runs on one thread each.
+        self.in_place = one_process
         # Elsewhere at stage 1 each replica's new shard is gathered into every replica's whole weights.
         self.gathers = self.sharded and not self.weight_shards
         self.place_slots(on_host=True)
@@ -262,20 +265,25 @@ class FlatBuffers:
         parts = [None if grads[i] is None else tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in self.order]
         if scale is not None:
             parts = [None if p is None else p / scale for p in parts]
-        if overflow.in_xla() and max(self.sizes) >= IN_PLACE_FROM:
+        if overflow.in_xla() and self.in_place and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
         return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
 
     def _written_in_place(self, parts) -> tf.Tensor:
-        """join's flat tensor inside XLA: each variable of IN_PLACE_FROM elements or more
-        written into a zero buffer in place, the runs of smaller ones between them joined.
+        """join's flat tensor inside XLA on replicas that are CPUs of one process: each
+        variable of IN_PLACE_FROM elements or more written into a zero buffer in place,
+        the runs of smaller ones between them joined.
 
         XLA:CPU keeps a concatenate of many operands apart from the per-variable
-        conversions and the division, so the gradient was written three times;
+        conversions and the division, so the gradient is written three times;
         a dynamic-update-slice takes its operand's conversion and division into
-        its own loop, in place. The P1 MLP's step under MirroredStrategy: 1.09-
-        1.13x one device's, against 1.16-1.25x (A/B, alternating processes).
-        Each in-place write costs about 10 us, so small variables are joined
+        its own loop, in place. The P1 MLP's step under MirroredStrategy on two
+        logical CPUs: 1.08-1.18x one device's, against 1.14-1.25x (A/B,
+        alternating processes). That loop runs on one thread, where the
+        division's runs on all of them: on ONE device, whose computation has
+        every core, it was slower (the MLP 19.3 against 17.0 ms, 200 x 100K
+        61.8 against 54.4), so only replicas sharing the cores take it. Each
+        in-place write costs about 10 us, so small variables are joined
         first: with all 1004 of P5 written in place its step took 28.0 ms
         instead of 17.5, and its first call 43 s instead of 32.
         """

@@ -233,9 +233,10 @@ def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
 
 
 def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
-    # Inside XLA, variables of kmp.flat.IN_PLACE_FROM elements or more are written
-    # into the flat gradient in place and the runs of smaller ones between them
-    # joined; outside XLA everything is joined. With the threshold at 16 this
+    # Inside XLA on replicas that are CPUs of one process, variables of
+    # kmp.flat.IN_PLACE_FROM elements or more are written into the flat gradient
+    # in place and the runs of smaller ones between them joined; elsewhere
+    # everything is joined. With the threshold at 16 this
     # model has both kinds (out's bias: 1 element), and a variable without a
     # gradient: the same elements, bit for bit, padded to two shards.
     model, _ = _trained(True, epochs=1)
@@ -248,6 +249,7 @@ def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
     monkeypatch.setattr(type(buffers), "_written_in_place",
                         lambda self, parts, real=type(buffers)._written_in_place: written.append(1) or real(self, parts))
     monkeypatch.setattr(buffers, "length", buffers.size + 32)  # as if sharded: zeros past the last variable
+    monkeypatch.setattr(buffers, "in_place", True)  # as on replicas that are CPUs of one process
     joined = tf.function(lambda: buffers.join(grads, scale))()
     monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
     in_place = tf.function(lambda: buffers.join(grads, scale), jit_compile=True)()
@@ -267,7 +269,17 @@ def test_writing_gradients_in_place_trains_the_same(two_replicas, monkeypatch):
     joined, _ = _trained(True, two_replicas, "adam", epochs=1)
     monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
     in_place, _ = _trained(True, two_replicas, "adam", epochs=1)
+    assert engine.engine_of(in_place).buffers.in_place
     _assert_close(_raw(joined), _raw(in_place), rtol=0, atol=0)
+
+
+def test_one_device_joins_the_gradient(monkeypatch):
+    # One device's XLA computation has every core, and XLA:CPU runs an in-place
+    # write on one thread: there the gradient is joined whatever the sizes.
+    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 1)
+    monkeypatch.setattr(kmp.flat.FlatBuffers, "_written_in_place", lambda self, parts: pytest.fail("written in place"))
+    model, _ = _trained(True, epochs=1, jit_compile=True)
+    assert not engine.engine_of(model).buffers.in_place
 
 class _Zeroer(keras.callbacks.Callback):
     """Writes a kernel directly in the middle of an epoch."""
