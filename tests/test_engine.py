@@ -231,14 +231,13 @@ def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
     _assert_close(seen_one.seen, seen_other.seen, rtol=0, atol=0)
 
 
-
 def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
     # Inside XLA on replicas that are CPUs of one process, variables of
     # kmp.flat.IN_PLACE_FROM elements or more are written into the flat gradient
     # in place and the runs of smaller ones between them joined; elsewhere
-    # everything is joined. With the threshold at 16 this
-    # model has both kinds (out's bias: 1 element), and a variable without a
-    # gradient: the same elements, bit for bit, padded to two shards.
+    # everything is joined. With the threshold at 16 this model has both kinds
+    # (out's bias: 1 element), and a variable without a gradient: the same
+    # elements, bit for bit, padded as if to two shards.
     model, _ = _trained(True, epochs=1)
     buffers = engine.engine_of(model).buffers
     rng = np.random.default_rng(0)
@@ -280,6 +279,7 @@ def test_one_device_joins_the_gradient(monkeypatch):
     monkeypatch.setattr(kmp.flat.FlatBuffers, "_written_in_place", lambda self, parts: pytest.fail("written in place"))
     model, _ = _trained(True, epochs=1, jit_compile=True)
     assert not engine.engine_of(model).buffers.in_place
+
 
 class _Zeroer(keras.callbacks.Callback):
     """Writes a kernel directly in the middle of an epoch."""
