@@ -185,8 +185,8 @@ class Engine:
             scaled = keras.ops.multiply(loss, scale)
         grads = tape.gradient(scaled, values)
         # Zeros where a variable got no gradient (it is then not updated); unscaled
-        # here, as kmp.gradients.unscale does (float32 / scale), fused into this computation.
-        return self.buffers.join(grads, tf.cast(scale, tf.float32)), y_pred, loss, writes
+        # here, fused into this computation.
+        return self.buffers.join(grads, scale), y_pred, loss, writes
 
 
 def _overridden(callback) -> set:

@@ -64,6 +64,7 @@ import tensorflow as tf
 
 from kmp import fused, overflow, replica_state, zero
 from kmp.flat_rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
+from kmp.gradients import unscale
 from kmp.memory import ALIGN
 from kmp.distribute.communication import cpus_of_one_process
 from kmp.distribute.same_start import same_start
@@ -244,10 +245,10 @@ class FlatBuffers:
         return out
 
     @tf.autograph.experimental.do_not_convert
-    def join(self, grads, scale=None) -> tf.Tensor:
-        """Per-variable gradients (model order, None for no gradient) as one flat float32
-        tensor (`length` elements: zero padded to N whole shards when sharded), each
-        element divided by `scale` when one is given.
+    def join(self, grads, scale) -> tf.Tensor:
+        """Per-variable gradients (model order, None for no gradient), unscaled (kmp.gradients.unscale:
+        float32 / scale), as one flat tensor (`length` elements: zero padded to N whole shards when
+        sharded).
 
         Keras skips a variable whose gradient is None (no step, no weight
         decay, slots untouched); so does the update, for the variables noted
@@ -262,9 +263,7 @@ class FlatBuffers:
                 names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
                 logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
-        parts = [None if grads[i] is None else tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in self.order]
-        if scale is not None:
-            parts = [None if p is None else p / scale for p in parts]
+        parts = [None if grads[i] is None else tf.reshape(unscale(grads[i], scale), [-1]) for i in self.order]
         if overflow.in_xla() and self.in_place and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
         return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
