@@ -173,7 +173,7 @@ class Engine:
             # the update (kmp.flat) is always XLA.
             model = self.model
             jit = getattr(model, "_kmp_jit_compile", "auto") is not False and bool(
-                seams.get("model_supports_jit")(model))
+                seams.get("model_supports_jit")(model)) and replica_step.XLA not in replica_step.dropped_paths(model)
             cache[key] = tf.function(self._forward_backward, jit_compile=jit, reduce_retracing=True)
         return cache[key]
 

@@ -263,7 +263,10 @@ class FlatBuffers:
                 names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
                 logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
-        parts = [None if grads[i] is None else tf.reshape(unscale(grads[i], scale), [-1]) for i in self.order]
+        # Each length from its variable: a traced gradient's static shape may be unknown (a tied
+        # embedding's IndexedSlices made dense, keras-hub's transformers).
+        parts = [None if grads[i] is None else tf.reshape(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
+                 for i, n in zip(self.order, self.sizes)]
         if overflow.in_xla() and self.in_place and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
         return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
+import traceback
 import types
 
 import keras
@@ -24,8 +26,9 @@ import tensorflow as tf
 
 from kmp import engine, flat, overflow, overflow_layer, seams, values, wall_clock
 from kmp.distribute import replica_step
+from kmp.distribute.replica_step import FINDER, FLAT, XLA, dropped_paths
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.errors import Problem, check
+from kmp.errors import KmpError, Problem, check
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +173,21 @@ def _unbuilt(model) -> bool:
 
 
 def _make_function_prepared(self, step_function):
+    if getattr(step_function, "__func__", None) is not seams.get("TensorFlowTrainer").train_step:
+        return _build_function(self, step_function)
+    return _falling_back(self, step_function)
+
+
+def _build_function(self, step_function):
     setting = getattr(self, "_kmp_jit_compile", "auto")
+    dropped = dropped_paths(self)
+    if XLA in dropped:
+        setting = False
     several = self.distribute_strategy.num_replicas_in_sync > 1
     # Only Keras's own train_step is swapped: a model's custom one is kept.
     stock_train_step = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
     every = wall_clock.interval(_breakdown_setting(self))
-    xla = (setting is True or bool(self.jit_compile)) and not self.run_eagerly
+    xla = (setting is True or bool(self.jit_compile) and XLA not in dropped) and not self.run_eagerly
     # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
     timed_apart = bool(every) and xla and not several
     if stock_train_step and (replica_step.wants_replica_xla(self, setting) or timed_apart):
@@ -184,12 +196,18 @@ def _make_function_prepared(self, step_function):
         # metrics and trainable variables.
         replica_step.forget(self)
         step_function = functools.partial(replica_step.train_step, self)
-    buffers = _engine_for(self) if stock_train_step else _no_engine(self, "the model has its own train_step")
+    if not stock_train_step:
+        buffers = _no_engine(self, "the model has its own train_step")
+    elif FLAT in dropped:
+        buffers = _no_engine(self, None)  # said when it was dropped
+    else:
+        buffers = _engine_for(self)
     if buffers is not None:
         replica_step.forget(self)
         step_function = buffers.train_step
     # A custom train_step may not call the model on x as Keras's does: left as it is.
-    if stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(self):
+    if (stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and FINDER not in dropped
+            and overflow_layer.can_diagnose(self)):
         step_function = overflow_layer.diagnosing_step(self, step_function)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
@@ -202,7 +220,7 @@ def _make_function_prepared(self, step_function):
         step_function = _with_replica_axis(step_function)
     # Keras's jit_compile puts the whole distributed step in one XLA
     # computation, which fails with several replicas.
-    whole_step_xla = (setting is True or bool(self.jit_compile)) and not several and not timed_apart
+    whole_step_xla = xla and not several and not timed_apart
     saved, self._jit_compile = self._jit_compile, whole_step_xla
     try:
         function = type(self)._make_function(self, step_function)
@@ -215,6 +233,97 @@ def _make_function_prepared(self, step_function):
     if every:
         function = _timed(self, every, timed_apart, kmp_step, function)
     return _raising_loss_scale_errors(function)
+
+
+_FALLBACK_ORDER = (FLAT, FINDER, XLA)
+_ORIGINS = {"flat.py": FLAT, "engine.py": FLAT, "zero.py": FLAT, "scatter.py": FLAT, "overflow_layer.py": FINDER}
+# What tracing kmp's step, or compiling it with XLA, raises on a model it cannot take.
+_BUILD_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError,
+                 tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError)
+
+
+def _falling_back(model, step_function):
+    """The train function, rebuilt without one fast path after each failure of its first call.
+
+    Stock Keras trains what kmp's fast paths may not take (a layer XLA
+    cannot compile, a gradient the buffers cannot hold): rather than a
+    traceback, kmp drops the path the error came from (the flat buffers,
+    the overflow-layer finder, XLA), says so in one line, and tries again.
+    A failure after a first step that ran, or with nothing left to drop, is
+    raised as it is.
+    """
+    function, ran = _build_function(model, step_function), False
+
+    def call(iterator):
+        nonlocal function, ran
+        while True:
+            try:
+                result = function(iterator)
+            except _BUILD_ERRORS as error:
+                if ran or isinstance(error, KmpError):
+                    raise
+                path = _path_to_drop(model, error)
+                if path is None:
+                    raise
+                _drop(model, path, error)
+                function = _build_function(model, step_function)
+                continue
+            ran = True
+            return result
+
+    call.__wrapped__ = function
+    return call
+
+
+def _path_to_drop(model, error) -> str | None:
+    """Which fast path `error` came from (by the kmp module it was raised in), if kmp took it."""
+    taken = [p for p in _FALLBACK_ORDER if p not in dropped_paths(model) and _took(model, p)]
+    if isinstance(error, tf.errors.OpError):
+        origin = XLA if "XLA" in str(error) or "compil" in str(error) else None
+    else:
+        # The innermost of kmp's modules the error passed through; a traced function's error
+        # lists its frames in its message.
+        files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+        files += re.findall(r'File "([^"]+)"', str(error))
+        origin = next((_ORIGINS[f.rsplit("/", 1)[-1]] for f in reversed(files)
+                       if "/kmp/" in f and f.rsplit("/", 1)[-1] in _ORIGINS), None)
+    if origin in taken:
+        return origin
+    return taken[0] if taken else None
+
+
+def _took(model, path) -> bool:
+    if path == FLAT:
+        return engine.engine_of(model) is not None and flat_reason(model) is None
+    if path == FINDER:
+        return getattr(model, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(model)
+    return getattr(model, "_kmp_jit_compile", "auto") is not False and (
+        replica_step.wants_replica_xla(model, getattr(model, "_kmp_jit_compile", "auto"))
+        or engine.engine_of(model) is not None or bool(model.jit_compile))
+
+
+def _drop(model, path, error) -> None:
+    # A traced function's error ends with the original message; its first line is "in user code:".
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    message = lines[-1] if lines else ""
+    prefix = f"{type(error).__name__}: "
+    message = message[len(prefix):] if message.startswith(prefix) else message
+    layer = _layer_in(error)
+    where = f" in layer {layer!r}" if layer else ""
+    why = f"{type(error).__name__}{where}: {message[:300]}"
+    dropped_paths(model)[path] = f"its first step failed on them ({why})"
+    logger.warning("kmp: %s off for %s, falling back (%s)%s.", path, model.name, why,
+                   "; the batch of the failed step was not trained" if isinstance(error, tf.errors.OpError) else "")
+
+
+def _layer_in(error) -> str | None:
+    """The innermost Keras layer whose call the error passed through, if any."""
+    name = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer) and not isinstance(owner, keras.Model):
+            name = owner.name
+    return name
 
 
 def _breakdown_setting(model):
@@ -297,12 +406,12 @@ def _engine_for(model):
     return model.__dict__["_kmp_engine"]
 
 
-def _no_engine(model, reason: str) -> None:
+def _no_engine(model, reason: str | None) -> None:
     """None, after saying once per model and reason why the flat buffers are off (if they were asked for)."""
     if engine.engine_of(model) is not None:
         engine.engine_of(model).release()  # the per-variable update needs Keras's slots on every replica
     setting = getattr(model, "_kmp_flat_buffers", False)
-    if setting and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
+    if setting and reason is not None and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
         model.__dict__["_kmp_flat_noted"].add(reason)
         log = logger.warning if setting is True else logger.info
         log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)

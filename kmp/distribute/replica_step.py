@@ -37,6 +37,14 @@ from kmp import seams, wall_clock
 from kmp.distribute.tpu import is_tpu_strategy
 
 JIT_CHOICES = ("auto", True, False)
+# The fast paths a prepared model's first train step falls back from when it cannot be built on them
+# (kmp.distribute.fit), in that order.
+FLAT, FINDER, XLA = "flat buffers", "overflow-layer finder", "XLA"
+
+
+def dropped_paths(model) -> dict:
+    """The fast paths kmp fell back from on this model: {path: why}."""
+    return model.__dict__.setdefault("_kmp_fallbacks", {})
 
 
 def splits_replicas(strategy) -> bool:
@@ -51,7 +59,8 @@ def splits_replicas(strategy) -> bool:
 
 def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
-    if setting is False or model.run_eagerly or not splits_replicas(model.distribute_strategy):
+    if setting is False or model.run_eagerly or not splits_replicas(model.distribute_strategy) or (
+            XLA in dropped_paths(model)):
         return False
     return setting is True or bool(seams.get("model_supports_jit")(model))
 

@@ -1,0 +1,284 @@
+"""Real models as users bring them, from tiny configs (no download): keras-hub task
+models, keras.applications networks, a model with its own train_step, a GAN.
+
+    case = CASES["gpt2"]
+    model = case.build()          # in the current dtype policy and strategy scope
+    x, y = case.data(rows=16)     # fixed random inputs of the model's own kinds
+
+Dropout is off (0.0) in every config, so that replicas, which draw their own
+masks, can be compared with one device. Each builder makes the same model for the same seed (`keras.utils.set_random_seed`
+before it is called), so stock Keras and kmp can be compared step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+
+VOCAB, SEQ, IMAGE = 128, 16, (32, 32, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    build: object  # () -> compiled-free keras.Model
+    data: object   # (rows) -> (x, y)
+    loss: object = "sparse_categorical_crossentropy"
+    own_step: bool = False  # the model trains with its own train_step (compile takes its optimizers)
+
+
+def _tokens(rows, seed=0):
+    return np.random.default_rng(seed).integers(1, VOCAB, (rows, SEQ + 1)).astype("int32")
+
+
+def _causal_lm_data(rows):
+    t = _tokens(rows)
+    return {"token_ids": t[:, :-1], "padding_mask": np.ones((rows, SEQ), "int32")}, t[:, 1:]
+
+
+def _images(rows, classes=10):
+    rng = np.random.default_rng(1)
+    return rng.random((rows,) + IMAGE).astype("float32"), rng.integers(0, classes, (rows,)).astype("int32")
+
+
+def _hub():
+    import keras_hub
+
+    return keras_hub
+
+
+def gpt2():
+    hub = _hub()
+    backbone = hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32,
+                                       intermediate_dim=64, max_sequence_length=SEQ, dropout=0.0)
+    return hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def llama():
+    hub = _hub()
+    backbone = hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+                                        num_key_value_heads=1, hidden_dim=32, intermediate_dim=64)
+    return hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def mixtral():
+    hub = _hub()
+    backbone = hub.models.MixtralBackbone(vocabulary_size=VOCAB, num_layers=1, num_query_heads=2,
+                                          num_key_value_heads=1, hidden_dim=32, intermediate_dim=64,
+                                          num_experts=4, top_k=2)
+    return hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
+
+
+def bert():
+    hub = _hub()
+    backbone = hub.models.BertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32,
+                                       intermediate_dim=64, max_sequence_length=SEQ, dropout=0.0)
+    return hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0)
+
+
+def _bert_data(rows):
+    t = _tokens(rows)[:, :-1]
+    x = {"token_ids": t, "segment_ids": np.zeros_like(t), "padding_mask": np.ones_like(t)}
+    return x, np.random.default_rng(2).integers(0, 3, (rows,)).astype("int32")
+
+
+def bart():
+    hub = _hub()
+    backbone = hub.models.BartBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=32,
+                                       intermediate_dim=64, max_sequence_length=SEQ, dropout=0.0)
+    return hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
+
+
+def _bart_data(rows):
+    source, target = _tokens(rows, 3)[:, :-1], _tokens(rows, 4)
+    ones = np.ones((rows, SEQ), "int32")
+    x = {"encoder_token_ids": source, "encoder_padding_mask": ones,
+         "decoder_token_ids": target[:, :-1], "decoder_padding_mask": ones}
+    return x, target[:, 1:]
+
+
+def vit():
+    hub = _hub()
+    backbone = hub.models.ViTBackbone(image_shape=IMAGE, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                      mlp_dim=64)
+    return hub.models.ViTImageClassifier(backbone=backbone, num_classes=10, preprocessor=None)
+
+
+def _application(name):
+    def build():
+        kwargs = {"include_preprocessing": False} if name != "ResNet50V2" else {}
+        return getattr(keras.applications, name)(weights=None, input_shape=IMAGE, classes=10, **kwargs)
+
+    build.__name__ = name
+    return build
+
+
+class OwnStep(keras.Model):
+    """A keras-io-style model: its own train_step (a loss tracker, the optimizer applied by hand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.Sequential([keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
+                                      keras.layers.Dense(10)])
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x, training=False):
+        return self.body(x, training=training)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = keras.ops.cast(self(x, training=True), "float32")
+            loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+class GAN(keras.Model):
+    """keras-io's DCGAN shape, tiny: a generator and a discriminator, each with its own optimizer."""
+
+    latent = 8
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((self.latent,)), keras.layers.Dense(8 * 8 * 4),
+                                           keras.layers.Reshape((8, 8, 4)),
+                                           keras.layers.Conv2DTranspose(3, 4, strides=4, padding="same")])
+        self.discriminator = keras.Sequential([keras.Input(IMAGE), keras.layers.Conv2D(8, 4, strides=4),
+                                               keras.layers.LeakyReLU(0.2), keras.layers.Flatten(),
+                                               keras.layers.Dense(1)])
+        self.d_tracker, self.g_tracker = keras.metrics.Mean(name="d_loss"), keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_optimizer, g_optimizer, **kwargs):
+        super().compile(**kwargs)
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def call(self, z, training=False):
+        return self.generator(z, training=training)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        real = data[0] if isinstance(data, tuple) else data
+        rows = tf.shape(real)[0]
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        z = keras.random.normal((rows, self.latent), seed=self.seed)
+        with tf.GradientTape() as tape:
+            fake = self.generator(z, training=True)
+            scores = keras.ops.cast(self.discriminator(keras.ops.concatenate(
+                [keras.ops.cast(fake, real.dtype), real]), training=True), "float32")
+            labels = keras.ops.concatenate([keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))])
+            d_loss = bce(labels, scores)
+            scaled = self.d_optimizer.scale_loss(d_loss)
+        grads = tape.gradient(scaled, self.discriminator.trainable_variables)
+        self.d_optimizer.apply(grads, self.discriminator.trainable_variables)
+        with tf.GradientTape() as tape:
+            scores = keras.ops.cast(self.discriminator(self.generator(z, training=True), training=True), "float32")
+            g_loss = bce(keras.ops.zeros((rows, 1)), scores)
+            scaled = self.g_optimizer.scale_loss(g_loss)
+        grads = tape.gradient(scaled, self.generator.trainable_variables)
+        self.g_optimizer.apply(grads, self.generator.trainable_variables)
+        self.d_tracker.update_state(d_loss)
+        self.g_tracker.update_state(g_loss)
+        return {"d_loss": self.d_tracker.result(), "g_loss": self.g_tracker.result()}
+
+    @property
+    def seed(self):
+        if not hasattr(self, "_seed"):
+            self._seed = keras.random.SeedGenerator(7)
+        return self._seed
+
+    @property
+    def metrics(self):
+        return [self.d_tracker, self.g_tracker]
+
+
+def _lm_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+CASES = {c.name: c for c in [
+    Case("gpt2", gpt2, _causal_lm_data, _lm_loss()),
+    Case("bert", bert, _bert_data, _lm_loss()),
+    Case("llama", llama, _causal_lm_data, _lm_loss()),
+    Case("vit", vit, _images, _lm_loss()),
+    Case("bart", bart, _bart_data, _lm_loss()),
+    Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
+    Case("resnet50v2", _application("ResNet50V2"), _images),
+    Case("mobilenetv3small", _application("MobileNetV3Small"), _images),
+    Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images),
+    Case("own_step", OwnStep, _images, None, own_step=True),
+    Case("gan", GAN, lambda rows: (_images(rows)[0], None), None, own_step=True),
+]}
+
+
+# --- Training one case, stock Keras or kmp, step by step ---
+
+
+@dataclasses.dataclass
+class Run:
+    losses: list          # each step's own loss (recovered from Keras's running means)
+    skipped: int          # steps whose update was skipped (overflow)
+    path: str             # what kmp took ("stock Keras" for the reference)
+    model: object
+
+
+class _StepLosses(keras.callbacks.Callback):
+    """Each step's own loss: Keras logs the running mean since the epoch began."""
+
+    def __init__(self, key):
+        super().__init__()
+        self.key, self.means = key, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.means.append(float(logs[self.key]))
+
+    def losses(self):
+        return [(k + 1) * m - k * self.means[k - 1] if k else m for k, m in enumerate(self.means)]
+
+
+def compile_case(case, model, optimizer, **compile_kwargs):
+    if case.own_step:
+        if case.name == "gan":
+            import copy
+
+            model.compile(d_optimizer=optimizer, g_optimizer=copy.deepcopy(optimizer), **compile_kwargs)
+        else:
+            model.compile(optimizer=optimizer, **compile_kwargs)
+    else:
+        model.compile(optimizer=optimizer, loss=case.loss, **compile_kwargs)
+
+
+def make_optimizer(learning_rate=1e-3):
+    return keras.optimizers.AdamW(learning_rate, weight_decay=0.01)
+
+
+def skipped_steps(model) -> int:
+    optimizers = [getattr(model, n) for n in ("d_optimizer", "g_optimizer") if hasattr(model, n)] or [model.optimizer]
+    total = 0
+    for opt in optimizers:
+        if hasattr(opt, "skipped_steps"):
+            total += int(opt.skipped_steps.numpy())
+        elif isinstance(opt, keras.optimizers.LossScaleOptimizer):  # Keras's: a skipped step leaves iterations
+            total += int(model._test_steps_seen) - int(opt.iterations.numpy())
+    return total
+
+
+def fit_steps(case, model, steps, rows, batch):
+    x, y = case.data(rows * steps)
+    key = "d_loss" if case.name == "gan" else "loss"
+    recorder = _StepLosses(key)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    model._test_steps_seen = getattr(model, "_test_steps_seen", 0) + steps
+    return recorder.losses()
