@@ -169,13 +169,16 @@ class Engine:
         key = replica_step.replica_key()
         cache = self.__dict__.setdefault("_steps", {})
         if key not in cache:
-            # XLA unless prepare(jit_compile=False) or a layer does not support it;
-            # the update (kmp.flat) is always XLA.
-            model = self.model
-            jit = getattr(model, "_kmp_jit_compile", "auto") is not False and bool(
-                seams.get("model_supports_jit")(model)) and replica_step.XLA not in replica_step.dropped_paths(model)
-            cache[key] = tf.function(self._forward_backward, jit_compile=jit, reduce_retracing=True)
+            cache[key] = tf.function(self._forward_backward, jit_compile=self.xla, reduce_retracing=True)
         return cache[key]
+
+    @property
+    def xla(self) -> bool:
+        """Whether the forward/backward is compiled: unless prepare(jit_compile=False), a layer does not
+        support XLA, or XLA failed on the model (kmp.distribute.fit). The update (kmp.flat) always is."""
+        model = self.model
+        return (getattr(model, "_kmp_jit_compile", "auto") is not False and bool(seams.get("model_supports_jit")(model))
+                and replica_step.XLA not in replica_step.path_of(model)["dropped"])
 
     def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
         with tf.GradientTape() as tape:

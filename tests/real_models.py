@@ -115,6 +115,7 @@ def _application(name):
     return build
 
 
+@keras.saving.register_keras_serializable("kmp_tests")
 class OwnStep(keras.Model):
     """A keras-io-style model: its own train_step (a loss tracker, the optimizer applied by hand)."""
 
@@ -145,6 +146,7 @@ class OwnStep(keras.Model):
         return [self.tracker]
 
 
+@keras.saving.register_keras_serializable("kmp_tests")
 class GAN(keras.Model):
     """keras-io's DCGAN shape, tiny: a generator and a discriminator, each with its own optimizer."""
 
@@ -226,14 +228,6 @@ CASES = {c.name: c for c in [
 # --- Training one case, stock Keras or kmp, step by step ---
 
 
-@dataclasses.dataclass
-class Run:
-    losses: list          # each step's own loss (recovered from Keras's running means)
-    skipped: int          # steps whose update was skipped (overflow)
-    path: str             # what kmp took ("stock Keras" for the reference)
-    model: object
-
-
 class _StepLosses(keras.callbacks.Callback):
     """Each step's own loss: Keras logs the running mean since the epoch began."""
 
@@ -248,20 +242,18 @@ class _StepLosses(keras.callbacks.Callback):
         return [(k + 1) * m - k * self.means[k - 1] if k else m for k, m in enumerate(self.means)]
 
 
-def compile_case(case, model, optimizer, **compile_kwargs):
-    if case.own_step:
-        if case.name == "gan":
-            import copy
-
-            model.compile(d_optimizer=optimizer, g_optimizer=copy.deepcopy(optimizer), **compile_kwargs)
-        else:
-            model.compile(optimizer=optimizer, **compile_kwargs)
+def compile_case(case, model, make_optimizer, **compile_kwargs):
+    """compile() as the case's model takes it, with `make_optimizer()` for each of its optimizers."""
+    if case.name == "gan":
+        model.compile(d_optimizer=make_optimizer(), g_optimizer=make_optimizer(), **compile_kwargs)
+    elif case.own_step:
+        model.compile(optimizer=make_optimizer(), **compile_kwargs)
     else:
-        model.compile(optimizer=optimizer, loss=case.loss, **compile_kwargs)
+        model.compile(optimizer=make_optimizer(), loss=case.loss, **compile_kwargs)
 
 
-def make_optimizer(learning_rate=1e-3):
-    return keras.optimizers.AdamW(learning_rate, weight_decay=0.01)
+def adamw(learning_rate=1e-3, **kwargs):
+    return keras.optimizers.AdamW(learning_rate, weight_decay=0.01, **kwargs)
 
 
 def skipped_steps(model) -> int:
@@ -275,10 +267,10 @@ def skipped_steps(model) -> int:
     return total
 
 
-def fit_steps(case, model, steps, rows, batch):
-    x, y = case.data(rows * steps)
-    key = "d_loss" if case.name == "gan" else "loss"
-    recorder = _StepLosses(key)
+def fit_steps(case, model, steps, batch):
+    """fit() over `steps` batches of the case's data; each step's own loss."""
+    x, y = case.data(batch * steps)
+    recorder = _StepLosses("d_loss" if case.name == "gan" else "loss")
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     model._test_steps_seen = getattr(model, "_test_steps_seen", 0) + steps
     return recorder.losses()

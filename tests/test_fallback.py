@@ -126,8 +126,8 @@ def test_a_layer_xla_cannot_compile_falls_back_without_xla(two_replicas, caplog)
     _, stock = _train("float32", two_replicas, stock=True, no_xla=True)
     with caplog.at_level(logging.WARNING, logger="kmp"):
         model, losses = _train("float32", two_replicas, no_xla=True, flat_buffers=False)
-    dropped = replica_step.dropped_paths(model)
-    print("path:", dropped)
+    dropped = replica_step.path_of(model)["dropped"]
+    print("path:", replica_step.describe_path(model))
     assert replica_step.XLA in dropped
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(lines) == 1 and "XLA off" in lines[0], lines
@@ -146,7 +146,7 @@ def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeyp
     _, per_variable = _train("mixed_float16", flat_buffers=False)
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(lines) == 1 and "flat buffers off" in lines[0] and "cannot hold" in lines[0], lines
-    assert kmp.engine.engine_of(model) is None or replica_step.FLAT in replica_step.dropped_paths(model)
+    assert kmp.engine.engine_of(model) is None or replica_step.FLAT in replica_step.path_of(model)["dropped"]
     # Nothing was consumed by a failed trace: the same training as the per-variable path.
     np.testing.assert_allclose(losses, per_variable, rtol=1e-5)
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from kmp import engine, flat, overflow, overflow_layer, seams, values, wall_clock
 from kmp.distribute import replica_step
-from kmp.distribute.replica_step import FINDER, FLAT, XLA, dropped_paths
+from kmp.distribute.replica_step import FINDER, FLAT, XLA
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.errors import KmpError, Problem, check
 
@@ -180,7 +180,7 @@ def _make_function_prepared(self, step_function):
 
 def _build_function(self, step_function):
     setting = getattr(self, "_kmp_jit_compile", "auto")
-    dropped = dropped_paths(self)
+    dropped = replica_step.path_of(self)["dropped"]
     if XLA in dropped:
         setting = False
     several = self.distribute_strategy.num_replicas_in_sync > 1
@@ -232,6 +232,17 @@ def _build_function(self, step_function):
         function = _around_steps(buffers, function)
     if every:
         function = _timed(self, every, timed_apart, kmp_step, function)
+    if stock_train_step:
+        replica_xla = getattr(step_function, "func", None) is replica_step.train_step or (
+            buffers is not None and buffers.xla)
+        xla_part = "whole-step XLA" if whole_step_xla else "XLA per replica" if replica_xla else "no XLA"
+        finder = FINDER not in dropped and getattr(self, "_kmp_find_overflow_layer", True) and \
+            overflow_layer.can_diagnose(self)
+        replica_step.path_of(self)["taken"] = ", ".join(
+            ["flat buffers" if buffers is not None else "per-variable update", xla_part]
+            + (["overflow-layer finder"] if finder else []))
+    else:
+        replica_step.path_of(self)["taken"] = "the model's own train_step, per-variable update"
     return _raising_loss_scale_errors(function)
 
 
@@ -277,7 +288,7 @@ def _falling_back(model, step_function):
 
 def _path_to_drop(model, error) -> str | None:
     """Which fast path `error` came from (by the kmp module it was raised in), if kmp took it."""
-    taken = [p for p in _FALLBACK_ORDER if p not in dropped_paths(model) and _took(model, p)]
+    taken = [p for p in _FALLBACK_ORDER if p not in replica_step.path_of(model)["dropped"] and _took(model, p)]
     if isinstance(error, tf.errors.OpError):
         origin = XLA if "XLA" in str(error) or "compil" in str(error) else None
     else:
@@ -311,7 +322,7 @@ def _drop(model, path, error) -> None:
     layer = _layer_in(error)
     where = f" in layer {layer!r}" if layer else ""
     why = f"{type(error).__name__}{where}: {message[:300]}"
-    dropped_paths(model)[path] = f"its first step failed on them ({why})"
+    replica_step.path_of(model)["dropped"][path] = f"its first step failed on them ({why})"
     logger.warning("kmp: %s off for %s, falling back (%s)%s.", path, model.name, why,
                    "; the batch of the failed step was not trained" if isinstance(error, tf.errors.OpError) else "")
 

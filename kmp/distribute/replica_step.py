@@ -42,9 +42,16 @@ JIT_CHOICES = ("auto", True, False)
 FLAT, FINDER, XLA = "flat buffers", "overflow-layer finder", "XLA"
 
 
-def dropped_paths(model) -> dict:
-    """The fast paths kmp fell back from on this model: {path: why}."""
-    return model.__dict__.setdefault("_kmp_fallbacks", {})
+def path_of(model) -> dict:
+    """The path the model's train function took: "taken" (a description) and "dropped" ({path: why})."""
+    return model.__dict__.setdefault("_kmp_path", {"taken": None, "dropped": {}})
+
+
+def describe_path(model) -> str:
+    """One line: what a prepared model's last train function took, and what it fell back from, and why."""
+    path = path_of(model)
+    dropped = "; ".join(f"{name} dropped: {why}" for name, why in path["dropped"].items())
+    return (path["taken"] or "not built yet") + (f" ({dropped})" if dropped else "")
 
 
 def splits_replicas(strategy) -> bool:
@@ -60,7 +67,7 @@ def splits_replicas(strategy) -> bool:
 def wants_replica_xla(model: keras.Model, setting) -> bool:
     """Whether `fit()` should use the per-replica XLA train step for `model` now."""
     if setting is False or model.run_eagerly or not splits_replicas(model.distribute_strategy) or (
-            XLA in dropped_paths(model)):
+            XLA in path_of(model)["dropped"]):
         return False
     return setting is True or bool(seams.get("model_supports_jit")(model))
 
