@@ -7,6 +7,7 @@ TensorFlow's start-up lines off stderr.
 
 from __future__ import annotations
 
+import concurrent.futures
 import configparser
 import importlib
 import importlib.metadata
@@ -121,6 +122,34 @@ def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp
         f"print(type(keras.saving.load_model({str(tmp_path / 'model.keras')!r}).optimizer).__name__)\n",
         tmp_path)
     assert done.stdout == "LossScaleOptimizer\n"
+
+
+@pytest.mark.slow
+def test_every_public_name_works_first_thing_in_a_fresh_process():
+    """`import kmp; kmp.<name>` before Keras is imported, once per defining module; Keras then knows kmp's classes.
+
+    A name's first use imports its module, which fails or not whatever the
+    name; the other names of that module are touched after it. kmp's
+    registering modules import some of these modules back, so this is where
+    an import cycle shows.
+    """
+    homes: dict[str, list[str]] = {}
+    for name in kmp.__all__:
+        homes.setdefault(kmp._HOMES[name] or f"kmp.{name}", []).append(name)
+
+    def first_use(names: list[str]) -> str:
+        script = ("import sys, kmp\n"
+                  f"for name in {names!r}:\n    getattr(kmp, name)\n"
+                  "if 'keras' in sys.modules:\n"
+                  "    import keras\n"
+                  "    assert 'kmp>LossScaleOptimizer' in keras.saving.get_custom_objects(), 'not registered'\n")
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_environ(),
+                              capture_output=True, text=True, timeout=180)
+        return f"{names[0]}: {done.stderr.strip().splitlines()[-1]}" if done.returncode else ""
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each process imports TensorFlow
+        failures = [failure for failure in pool.map(first_use, homes.values()) if failure]
+    assert failures == []
 
 
 def test_the_version_has_one_source():
