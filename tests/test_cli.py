@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -373,6 +374,20 @@ def test_config_check_exit_codes_for_ci(tmp_path):
     unknown.write_text('{"cuda_visible_devices": "0"}')
     assert run_kmp("config", "check", str(unknown)).returncode == 0
     assert run_kmp("config", "check", str(unknown), "--strict").returncode == 1
+
+
+def test_config_check_notes_a_decay_shorter_than_warmup_once(tmp_path):
+    from kmp import config_check
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 10, "warmup_num_steps": 100}}}))
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        report, code = config_check.check(str(path))
+    assert code == 0 and escaped == []  # in the report, not also on stderr
+    notes = [line for line in report.splitlines() if "total_num_steps (10) is less than warmup_num_steps (100)" in line]
+    assert len(notes) == 1 and notes[0].split()[0] == "note", report
 
 
 @pytest.mark.slow
