@@ -356,6 +356,20 @@ def test_config_check_prints_the_resolved_job_without_tensorflow(tmp_path):
     assert "train_batch_size 512 = micro 32 x 8 x 2 replicas" in out and out.rstrip().endswith("OK")
 
 
+def test_config_check_says_once_what_a_compressed_optimizer_is_trained_as():
+    from kmp import config_check
+
+    path = CORPUS / "dse__training__BingBertSquad__1-bit_adam__nccl__deepspeed_onebitadam_bsz96_config.json"
+    report, code = config_check.check(str(path))
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["optimizer"])
+    block = [lines[start]] + [line for line in lines[start + 1:start + 4] if line.split()[:1] == ["differs:"]]
+    assert code == 0 and "onebitadam -> keras.optimizers.Adam(learning_rate=3e-05" in block[0]
+    named = {name.lower() for line in block for name in re.findall(r"\b(adamw?|lamb)\b", line, re.IGNORECASE)}
+    assert named == {"adam"}, block
+    assert "from freeze_step (400) on" in block[1]
+
+
 def test_config_check_exit_codes_for_ci(tmp_path):
     good = run_kmp("config", "check", str(CORPUS / "transformers__tests__deepspeed__ds_config_zero3.json"))
     assert good.returncode == 0 and "zero_optimization.stage is 3" in good.stdout
