@@ -12,10 +12,10 @@ class (deepspeed/runtime/engine.py, `_configure_basic_optimizer`). So here:
 
 "Adam" means decoupled weight decay (AdamW) unless `adam_w_mode` is false,
 as DeepSpeed's ADAM_W_MODE_DEFAULT = True. 1-bit / 0-1 variants are their
-base optimizer, every step uncompressed as in DeepSpeed's warmup stage. What Keras's class
-cannot do (an L2 weight decay, no bias correction, LAMB's trust-ratio
-bounds, ...) is listed by `keras_arguments` and warned about once by
-`build_optimizer`. Pure Python: keras is imported only to build.
+base optimizer, every step uncompressed as in DeepSpeed's warmup stage.
+What Keras's class cannot do (an L2 weight decay, no bias correction,
+LAMB's trust-ratio bounds, ...) is listed by `keras_arguments` and warned
+about once by `build_optimizer`. Pure Python: keras is imported only to build.
 """
 
 from __future__ import annotations
