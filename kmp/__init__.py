@@ -98,8 +98,10 @@ sys.modules[__name__].__class__ = _Package
 # Keras finds kmp's classes in a .keras file only once their modules have
 # registered them (Keras imports no outside module while loading). Those
 # modules import Keras, so they are imported as soon as Keras is: now, if it
-# already is (`import keras, kmp`), else right after `import keras` runs, by a
-# one-shot import hook. `kmp --help` and `kmp config check` import neither.
+# already is (`import keras, kmp`), else by an import hook once `import keras`
+# has run and no kmp module is half-imported. A kmp module that imports Keras
+# first (kmp.precision) must finish before the registering modules, which
+# import it back, can run. `kmp --help` and `kmp config check` import neither.
 _REGISTERING = ("kmp.optimizer", "kmp.momentum", "kmp.lr_schedule", "kmp.eight_bit")
 
 
@@ -109,21 +111,35 @@ def _register_with_keras() -> None:
 
 
 class _AfterKeras:
-    """A meta path finder: lets `keras` load as usual, then imports kmp's registering modules, once."""
+    """A meta path finder: lets `keras` and kmp's modules load as usual, then registers, once.
+
+    Registration waits until Keras is loaded and the outermost kmp module
+    being imported has finished (`_depth` counts kmp modules mid-import).
+    """
+
+    _keras_loaded = False
+    _depth = 0
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if name != "keras":
+        if name != "keras" and not name.startswith("kmp."):
             return None
-        sys.meta_path.remove(cls)
-        spec = importlib.util.find_spec(name)
+        spec = next((found for finder in sys.meta_path if finder is not cls and hasattr(finder, "find_spec")
+                     for found in [finder.find_spec(name, path, target)] if found is not None), None)
         if spec is None or spec.loader is None:
             return spec
         load = spec.loader.exec_module
 
         def exec_module(module):
-            load(module)
-            _register_with_keras()
+            cls._depth += name != "keras"
+            try:
+                load(module)
+            finally:
+                cls._depth -= name != "keras"
+            cls._keras_loaded |= name == "keras"
+            if cls._keras_loaded and cls._depth == 0 and cls in sys.meta_path:
+                sys.meta_path.remove(cls)
+                _register_with_keras()
 
         spec.loader.exec_module = exec_module
         return spec

@@ -26,13 +26,14 @@ def check(path: str, *, replicas: int = 1, strict: bool = False, **fills: Any) -
         with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
             warnings.simplefilter("always")
             config = load_config(path, strict=strict, replicas=replicas, **fills)
+            schedule = _schedule(config)  # its notes are load_config's too: each is shown once, below
     except ConfigError as error:
         return f"kmp config check: {path}\n{error}", 1
     rows: list[tuple[str, str]] = [("precision", f"{config.precision} ({_POLICIES[config.precision]})")]
     rows.append(("loss scaling", _loss_scaling(config)))
     rows.append(("clipping", f"global norm {config.gradient_clipping:g}" if config.gradient_clipping else "none"))
     rows += _optimizer(config)
-    rows += _schedule(config)
+    rows += schedule
     code = 0
     try:
         train, micro, steps = resolve_batch_sizes(config, world_size=replicas)
@@ -52,8 +53,8 @@ def check(path: str, *, replicas: int = 1, strict: bool = False, **fills: Any) -
         + ("" if communication.predivide_factor is None else f", predivide factor {communication.predivide_factor:g}")))
     if printed.getvalue().strip():
         rows.append(("'auto' filled", "\n".join(printed.getvalue().strip().splitlines()[1:]).strip()))
-    for warning in caught:
-        rows.append(("note", str(warning.message)))
+    for note in dict.fromkeys(str(warning.message) for warning in caught):
+        rows.append(("note", note))
     width = max(len(name) for name, _ in rows)
     lines = [f"kmp config check: {path}"]
     for name, text in rows:

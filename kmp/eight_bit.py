@@ -37,7 +37,6 @@ import tensorflow as tf
 from keras import ops
 
 from kmp import quantize
-from kmp.distribute.same_start import same_start
 from kmp.errors import Problem, check
 
 STATES = ("32bit", "8bit")
@@ -58,6 +57,9 @@ class _EightBitStates:
         self.block_size = block_size
 
     def build(self, var_list):
+        # Imported here: the kmp.distribute package imports the flat engine, whose rules import this module.
+        from kmp.distribute.same_start import same_start
+
         if self.built:
             return
         keras.optimizers.Optimizer.build(self, var_list)  # iterations, indices; not Adam's float32 slots

@@ -58,9 +58,21 @@ class LossScaleError(KmpError, RuntimeError):
     """The loss scale is at its floor and gradients still overflow."""
 
 
+def loose(name: str) -> str:
+    """`name` without case and separators: 'BF-16' and 'bf_16' are both 'bf16'."""
+    return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """A 'Did you mean ...?' hint for a misspelled name, or ''."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    """A 'Did you mean ...?' hint for a misspelled name, or ''.
+
+    The choice spelled the same but for case and separators comes first;
+    else the closest by difflib, as written, then in lower case.
+    """
+    choices = list(choices)
+    close = ([choice for choice in choices if loose(choice) == loose(name)]
+             or difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+             or difflib.get_close_matches(name.lower(), choices, n=1, cutoff=0.6))
     return f"Did you mean '{close[0]}'?" if close else ""
 
 

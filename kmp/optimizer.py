@@ -494,19 +494,21 @@ def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, 
 
 
 def _unknown_arguments(kwargs: dict) -> list[Problem]:
-    """Names neither kmp nor Keras's optimizers take (Keras's own are left to Keras's checks)."""
+    """Names neither kmp nor Keras's optimizers take, as one problem in Keras's words.
+
+    Keras's own names are left to Keras's checks, which word their errors themselves.
+    """
     # Every Keras optimizer takes the base class's arguments (clipnorm, use_ema,
     # ...): the ones SGD and Adam share. Keras's wrapper rejects them itself.
     shared = set(inspect.signature(keras.optimizers.SGD.__init__).parameters)
     keras_names = (shared & set(inspect.signature(keras.optimizers.Adam.__init__).parameters)) | {"dynamic"}
     ours = [n for n in inspect.signature(LossScaleOptimizer.__init__).parameters if n not in ("self", "kwargs")]
-    return [
-        Problem(name, "an argument of kmp.LossScaleOptimizer", value, (
-            f"{did_you_mean(name, ours)} As Keras's LossScaleOptimizer says, it does not support arguments: `{name}`."
-        ).strip())
-        for name, value in kwargs.items()
-        if name not in keras_names
-    ]
+    unknown = {name: value for name, value in kwargs.items() if name not in keras_names}
+    if not unknown:
+        return []
+    hints = [f"`{name}`: {hint}" for name in unknown if (hint := did_you_mean(name, ours))]
+    return [Problem("**kwargs", "only arguments of kmp.LossScaleOptimizer", unknown, " ".join([
+        f"LossScaleOptimizer does not support arguments: `{'`, `'.join(unknown)}`.", *hints]))]
 
 
 def _inner_problems(inner, gradient_clipping) -> list[Problem]:

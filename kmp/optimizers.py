@@ -12,10 +12,10 @@ class (deepspeed/runtime/engine.py, `_configure_basic_optimizer`). So here:
 
 "Adam" means decoupled weight decay (AdamW) unless `adam_w_mode` is false,
 as DeepSpeed's ADAM_W_MODE_DEFAULT = True. 1-bit / 0-1 variants are their
-base optimizer without the compressed communication. What Keras's class
-cannot do (an L2 weight decay, no bias correction, LAMB's trust-ratio
-bounds, ...) is listed by `keras_arguments` and warned about once by
-`build_optimizer`. Pure Python: keras is imported only to build.
+base optimizer, every step uncompressed as in DeepSpeed's warmup stage.
+What Keras's class cannot do (an L2 weight decay, no bias correction,
+LAMB's trust-ratio bounds, ...) is listed by `keras_arguments` and warned
+about once by `build_optimizer`. Pure Python: keras is imported only to build.
 """
 
 from __future__ import annotations
@@ -56,6 +56,18 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
                    "factor_threshold": 0.1},
 }
 COMPRESSED = {"onebitadam": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
+# What kmp does not do of each compressed type (deepspeed/runtime/fp16/onebit/): every step
+# stays an uncompressed step of the base optimizer, as in DeepSpeed's warmup stage.
+_UNCOMPRESSED = {
+    "onebitadam": "from freeze_step ({freeze_step}) on, DeepSpeed freezes the variance and all-reduces the "
+                  "momentum in 1 bit: kmp does neither, every step stays uncompressed as in DeepSpeed's warmup",
+    "zerooneadam": "DeepSpeed freezes the variance from var_freeze_step ({var_freeze_step}) on, skips all-reduces "
+                   "on local steps and all-reduces the momentum in 1 bit: kmp does none of this, every step stays "
+                   "uncompressed",
+    "onebitlamb": "from freeze_step ({freeze_step}) on, DeepSpeed freezes the variance and the trust ratios (then "
+                  "scaled within [factor_min, factor_max]) and all-reduces the momentum in 1 bit: kmp does none "
+                  "of this, every step stays uncompressed as in DeepSpeed's warmup",
+}
 # Names DeepSpeed lower-cases (its DEEPSPEED_OPTIMIZERS) but kmp does not build.
 _NOT_BUILT = ("muadam", "muadamw", "musgd", "muon")
 # Settings of an implementation, with no effect on the numbers: accepted, nothing to honour.
@@ -166,7 +178,7 @@ def keras_arguments(spec: OptimizerSpec) -> tuple[str, dict[str, Any], list[str]
     kind, p = COMPRESSED.get(spec.type, spec.type), spec.params
     notes: list[str] = []
     if spec.type in COMPRESSED:
-        notes.append(f"{spec.type} is trained as {kind}: the compressed (1-bit / 0-1) communication is not done")
+        notes.append(_UNCOMPRESSED[spec.type].format(**p))
     args: dict[str, Any] = {"learning_rate": float(p["lr"])}
     if "betas" in p:
         args["beta_1"], args["beta_2"] = (float(b) for b in p["betas"])

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from kmp.config import Config
 from kmp.deepspeed import precision_of
-from kmp.errors import ConfigError, Problem, did_you_mean
+from kmp.errors import ConfigError, Problem, did_you_mean, loose
 from kmp.values import is_int
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,18 @@ _ACCEPTED = (
 )
 
 
+def _hint(value: str, choices: tuple[str, ...]) -> str:
+    """'Did you mean ...?' among the spellings of the same format, or ''.
+
+    The same format: with a b (bfloat16) or without, and the same width, so a
+    near-miss of a bfloat16 spelling is never pointed at float16.
+    """
+    lowered = value.lower()
+    same = [c for c in choices
+            if ("b" in c) == ("b" in lowered) and all(width in c for width in ("16", "32", "64") if width in lowered)]
+    return did_you_mean(value, same)
+
+
 def _error(received: Any, path: str = "precision", expected: str = _ACCEPTED, fix: str = "") -> ConfigError:
     return ConfigError([Problem(path, expected, received, fix)], "precision setting")
 
@@ -68,7 +80,7 @@ class Precision:
     def __post_init__(self) -> None:
         names = get_args(PolicyName)
         if self.name not in names:
-            hint = did_you_mean(str(self.name), names)
+            hint = _hint(str(self.name), names)
             raise _error(self.name, "Precision.name", f"one of {', '.join(map(repr, names))}", hint)
 
     def __str__(self) -> str:
@@ -207,8 +219,8 @@ def resolve_precision(value: PrecisionLike, *, hardware: Hardware | None = None)
             return Precision(_SHORT[value])
         if _is_config_text_or_path(value):  # what kmp.load_config accepts
             return Precision(_SHORT[precision_of(value)])
-        hint = did_you_mean(value, _STRINGS) or did_you_mean(value.lower(), _STRINGS)
-        raise _error(value, fix=hint)
+        new = _LEGACY.get(loose(value))  # "BF16", "bf-16": Lightning's legacy "bf16" spelled otherwise
+        raise _error(value, fix=f"Did you mean {new!r}?" if new else _hint(value, _STRINGS))
     if isinstance(value, os.PathLike):
         return Precision(_SHORT[precision_of(value)])
     raise _error(value)

@@ -26,6 +26,7 @@ DeepSpeed computes), `kmp.lr_schedule.KerasMath` float32 tensors.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -289,6 +290,11 @@ class Schedule:
         object.__setattr__(self, "base_lr", values.plain(self.base_lr))
         object.__setattr__(self, "base_momentum", values.plain(self.base_momentum))
         check(_problems(self.type, dict(self.params), self.base_lr, self.base_momentum, "scheduler"), _SOURCE)
+        short = _short_decay(self.type, self.settings)
+        if short:
+            # stacklevel 1: one place for every reader (load_config, kmp.wrap, the Keras
+            # schedule), so the default filter says it once per process.
+            warnings.warn(short, UserWarning, stacklevel=1)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -355,6 +361,18 @@ class Schedule:
                 ends.append(n - 1 + max(1, s["total_num_steps"] - n))
         steps = {0, 1} | {t - last + d for t in ends for d in (-1, 0, 1)}
         return tuple(sorted(k for k in steps if k >= 0))
+
+
+def _short_decay(kind: str, s: Mapping[str, Any]) -> str:
+    """DeepSpeed's warning for a decay that ends before warmup does, with what the lr then does; or ''."""
+    if "total_num_steps" not in s or s["total_num_steps"] >= max(2, s["warmup_num_steps"]):
+        return ""
+    total, warmup = s["total_num_steps"], s["warmup_num_steps"]
+    floor = (f"warmup_min_lr ({s['warmup_min_lr']:g})" if kind == "WarmupDecayLR" else
+             f"cos_min_ratio ({s['cos_min_ratio']:g}) times the lr")
+    return (f"{kind}: total_num_steps ({total}) is less than warmup_num_steps ({warmup}), as DeepSpeed warns too: "
+            f"the lr warms up over {warmup} steps, then drops straight to {floor} instead of decaying to it. "
+            f"Set total_num_steps to the run's whole number of steps, warmup included (above {warmup}).")
 
 
 _SOURCE = "DeepSpeed scheduler block"

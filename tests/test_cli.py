@@ -7,6 +7,7 @@ TensorFlow's start-up lines off stderr.
 
 from __future__ import annotations
 
+import concurrent.futures
 import configparser
 import importlib
 import importlib.metadata
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,34 @@ def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp
         f"print(type(keras.saving.load_model({str(tmp_path / 'model.keras')!r}).optimizer).__name__)\n",
         tmp_path)
     assert done.stdout == "LossScaleOptimizer\n"
+
+
+@pytest.mark.slow
+def test_every_public_name_works_first_thing_in_a_fresh_process():
+    """`import kmp; kmp.<name>` before Keras is imported, once per defining module; Keras then knows kmp's classes.
+
+    A name's first use imports its module, which fails or not whatever the
+    name; the other names of that module are touched after it. kmp's
+    registering modules import some of these modules back, so this is where
+    an import cycle shows.
+    """
+    homes: dict[str, list[str]] = {}
+    for name in kmp.__all__:
+        homes.setdefault(kmp._HOMES[name] or f"kmp.{name}", []).append(name)
+
+    def first_use(names: list[str]) -> str:
+        script = ("import sys, kmp\n"
+                  f"for name in {names!r}:\n    getattr(kmp, name)\n"
+                  "if 'keras' in sys.modules:\n"
+                  "    import keras\n"
+                  "    assert 'kmp>LossScaleOptimizer' in keras.saving.get_custom_objects(), 'not registered'\n")
+        done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_environ(),
+                              capture_output=True, text=True, timeout=180)
+        return f"{names[0]}: {done.stderr.strip().splitlines()[-1]}" if done.returncode else ""
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each process imports TensorFlow
+        failures = [failure for failure in pool.map(first_use, homes.values()) if failure]
+    assert failures == []
 
 
 def test_the_version_has_one_source():
@@ -326,6 +356,20 @@ def test_config_check_prints_the_resolved_job_without_tensorflow(tmp_path):
     assert "train_batch_size 512 = micro 32 x 8 x 2 replicas" in out and out.rstrip().endswith("OK")
 
 
+def test_config_check_says_once_what_a_compressed_optimizer_is_trained_as():
+    from kmp import config_check
+
+    path = CORPUS / "dse__training__BingBertSquad__1-bit_adam__nccl__deepspeed_onebitadam_bsz96_config.json"
+    report, code = config_check.check(str(path))
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["optimizer"])
+    block = [lines[start]] + [line for line in lines[start + 1:start + 4] if line.split()[:1] == ["differs:"]]
+    assert code == 0 and "onebitadam -> keras.optimizers.Adam(learning_rate=3e-05" in block[0]
+    named = {name.lower() for line in block for name in re.findall(r"\b(adamw?|lamb)\b", line, re.IGNORECASE)}
+    assert named == {"adam"}, block
+    assert "from freeze_step (400) on" in block[1]
+
+
 def test_config_check_exit_codes_for_ci(tmp_path):
     good = run_kmp("config", "check", str(CORPUS / "transformers__tests__deepspeed__ds_config_zero3.json"))
     assert good.returncode == 0 and "zero_optimization.stage is 3" in good.stdout
@@ -344,6 +388,20 @@ def test_config_check_exit_codes_for_ci(tmp_path):
     unknown.write_text('{"cuda_visible_devices": "0"}')
     assert run_kmp("config", "check", str(unknown)).returncode == 0
     assert run_kmp("config", "check", str(unknown), "--strict").returncode == 1
+
+
+def test_config_check_notes_a_decay_shorter_than_warmup_once(tmp_path):
+    from kmp import config_check
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 10, "warmup_num_steps": 100}}}))
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        report, code = config_check.check(str(path))
+    assert code == 0 and escaped == []  # in the report, not also on stderr
+    notes = [line for line in report.splitlines() if "total_num_steps (10) is less than warmup_num_steps (100)" in line]
+    assert len(notes) == 1 and notes[0].split()[0] == "note", report
 
 
 @pytest.mark.slow

@@ -92,6 +92,7 @@ def test_trajectory_matches_keras_inside_tf_function():
         (dict(clipnorm=1.0), "does not support `clipnorm`"),
         (dict(use_ema=True), "does not support `use_ema`"),
         (dict(bogus=1), "does not support arguments: `bogus`"),
+        (dict(foo=True, bar=3), "does not support arguments: `foo`, `bar`"),
     ],
 )
 def test_rejects_what_keras_rejects_with_the_same_message(kwargs, message):

@@ -1,5 +1,6 @@
 """kmp.optimizers: DeepSpeed's optimizer block -> the Keras optimizer, with DeepSpeed's defaults."""
 
+import re
 import warnings
 from pathlib import Path
 
@@ -54,11 +55,27 @@ def test_what_keras_does_differently_is_said_once():
     assert len(notes) == 1
     assert "L2 penalty" in notes[0] and "bias_correction=false" in notes[0]
     _, notes = _built({"type": "OneBitAdam"})
-    assert len(notes) == 1 and "compressed" in notes[0]
+    assert len(notes) == 1 and "all-reduces the momentum in 1 bit" in notes[0]
     _, notes = _built({"type": "Lamb"})
     assert "trust ratio" in notes[0]
     _, notes = _built({"type": "SGD", "params": {"momentum": 0.9}})
     assert notes == []  # nothing differs
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "OneBitAdam", "params": {"freeze_step": 400}},
+    {"type": "OneBitAdam", "params": {"weight_decay": 0.01}},
+    {"type": "ZeroOneAdam", "params": {"var_freeze_step": 1000}},
+    {"type": "OneBitLamb"},
+])
+def test_a_compressed_type_names_one_class_the_one_built(block):
+    optimizer, notes = _built(block)
+    built = type(optimizer).__name__
+    assert len(notes) == 1 and f"kmp builds keras.optimizers.{built} " in notes[0]
+    named = {name.lower() for name in re.findall(r"\b(adamw?|lamb)\b", notes[0], re.IGNORECASE)}
+    assert named == {built.lower()}, notes[0]  # what it is trained as is said once: the class built
+    freeze = "var_freeze_step" if block["type"] == "ZeroOneAdam" else "freeze_step"
+    assert f"{freeze} ({block.get('params', {}).get(freeze, 100000)}) on" in notes[0]
 
 
 @pytest.mark.parametrize("block,path,text", [

@@ -133,6 +133,12 @@ def test_precision_is_frozen_and_validates_its_name():
         ("bf16_mixed", "Did you mean 'bf16-mixed'?"),
         ("FP16", "Did you mean 'fp16'?"),
         ("flaot32", "Did you mean 'float32'?"),
+        ("BF16", "Did you mean 'bf16-mixed'?"),
+        ("Bf16", "Did you mean 'bf16-mixed'?"),
+        ("bf-16", "Did you mean 'bf16-mixed'?"),
+        ("mixed_bf16", "Did you mean 'mixed_bfloat16'?"),
+        ("Mixed-BFloat16", "Did you mean 'mixed_bfloat16'?"),
+        ("FLAOT32", "Did you mean 'float32'?"),
     ],
 )
 def test_misspellings_raise_config_error_with_hint(value, hint):
@@ -144,6 +150,18 @@ def test_misspellings_raise_config_error_with_hint(value, hint):
     # The accepted spellings are listed, from the Literal types.
     for spelling in ("'mixed_bfloat16'", "'16-mixed'", "'fp16'", "'auto'", "legacy 16, 32, 64"):
         assert spelling in message
+
+
+@pytest.mark.parametrize("value", ["BF16", "bf-16", "bf_16", "BFLOAT-16", "bf16mixed", "bf61", "bfloat61", "mixed_bf16",
+                                   "FP16", "fp-16", "Float-16", "float61", "fp61", "16mixed", "mixed-fp16"])
+def test_a_hint_never_names_the_other_16_bit_format(value):
+    """bfloat16's spellings have a b, float16's none; a hint keeps to the format asked for (or is left out)."""
+    # Config's own names (fp16, bf16) and Precision's (the Keras policies) are hinted alike.
+    for make in (resolve_precision, lambda v: Config(precision=v), Precision):
+        with pytest.raises(ConfigError) as info:
+            make(value)
+        hint = str(info.value).partition("Did you mean")[2].partition("?")[0]
+        assert ("b" in hint) == ("b" in value.lower()) or not hint, hint
 
 
 @pytest.mark.parametrize("value", [8, 16.0, True, None, "int8", ["fp16"], keras.DTypePolicy("int32")])

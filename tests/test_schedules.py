@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import keras
@@ -29,6 +30,8 @@ from kmp.schedules import ONE_CYCLE_BETA_2, PARAMETERS, REQUIRED, SCHEDULERS, Sc
 ROOT = Path(__file__).parent.parent
 GOLDENS = json.loads((ROOT / "tests" / "data" / "deepspeed_lr_goldens.json").read_text())
 CASES = GOLDENS["cases"]
+# Some goldens decay for fewer steps than they warm up, on purpose; the warning is tested on its own.
+pytestmark = pytest.mark.filterwarnings("ignore:Warmup(Decay|Cosine)LR. total_num_steps:UserWarning")
 IDS = [c["name"] for c in CASES]
 FLOAT32_TOLERANCE = 2.0**-21  # a few float32 ulps of the schedule's peak value
 
@@ -87,6 +90,31 @@ def test_one_cycle_momentum_is_deepspeeds(case):
         assert case["deepspeed_warnings"] == [
             "cycle_momentum is disabled because optimizer SGD does not support momentum, "
             "no betas attribute in defaults"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "total_num_steps" in c["params"]], ids=lambda c: c["name"])
+def test_a_decay_shorter_than_warmup_is_warned_where_deepspeed_warns(case):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule_of(case)
+    ours = [str(w.message) for w in caught]
+    theirs = [w for w in case.get("deepspeed_warnings") or [] if w.startswith("total_num_steps")]
+    assert len(ours) == len(theirs), ours
+    if theirs:  # both values, what the lr then does, and the fix
+        total, warmup = case["params"]["total_num_steps"], case["params"]["warmup_num_steps"]
+        assert f"total_num_steps ({total}) is less than warmup_num_steps ({warmup})" in ours[0]
+        assert "then drops straight to" in ours[0] and "Set total_num_steps" in ours[0]
+
+
+def test_a_decay_shorter_than_warmup_is_warned_once_whoever_reads_the_block():
+    block = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 100}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        parse_scheduler(block)
+        build_schedule(block, base_lr=0.1)
+        kmp.load_config({"scheduler": block})
+    assert [str(w.message).split(":")[0] for w in caught] == ["WarmupDecayLR"]
+    assert "drops straight to warmup_min_lr (0)" in str(caught[0].message)
 
 
 def test_momentum_is_none_unless_one_cycle_cycles_it():
