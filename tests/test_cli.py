@@ -123,6 +123,29 @@ def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp
     assert done.stdout == "LossScaleOptimizer\n"
 
 
+def test_a_keras_file_from_kmp_loads_without_kmp_with_compile_false(tmp_path):
+    """What docs/loss-scaling.md says: without `import kmp` only the full load fails, with Keras's message."""
+    import keras
+    import numpy as np
+
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.Adam()), loss="mse")
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    model.fit(x, x[:, :1], verbose=0)
+    model.save(tmp_path / "model.keras")
+    np.save(tmp_path / "expected.npy", model.predict(x, verbose=0))
+    done, _ = run_python(
+        "import keras, numpy as np\n"
+        f"path, x = {str(tmp_path / 'model.keras')!r}, np.arange(8, dtype='float32').reshape(4, 2)\n"
+        "try:\n    keras.saving.load_model(path)\nexcept TypeError as error:\n    print(str(error).split('.')[0])\n"
+        "model = keras.saving.load_model(path, compile=False)\n"
+        f"same = np.array_equal(model.predict(x, verbose=0), np.load({str(tmp_path / 'expected.npy')!r}))\n"
+        "print(model.layers[0].dtype_policy.name, same, getattr(model, 'optimizer', None), 'kmp' in sys.modules)\n",
+        tmp_path)
+    assert done.stdout.splitlines() == ["Could not locate class 'LossScaleOptimizer'", "mixed_float16 True None False"]
+
+
 def test_the_version_has_one_source():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
