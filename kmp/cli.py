@@ -114,13 +114,14 @@ def _demo(args: argparse.Namespace) -> int:
                   "steps show it grow), halved at each overflow (the step is skipped and logged)")
         start = time.perf_counter()
         recorder = kmp.StepRecorder()
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)  # else no scale to monitor (it warns)
         model.fit(x, y, batch_size=batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
-                  callbacks=[LossScaleMonitor(), recorder])
+                  callbacks=[LossScaleMonitor(), recorder] if scaled else [recorder])
         seconds = time.perf_counter() - start
         loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     print(f"test loss      {loss:.4f}")
     print(f"test accuracy  {accuracy:.4f}")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if scaled:
         print(f"loss scale     {float(optimizer.dynamic_scale.numpy()):.10g}")
         skipped = getattr(optimizer, "skipped_steps", None)
         if skipped is not None:

@@ -337,6 +337,12 @@ def test_demo_trains():
     assert values["update"] == "flat buffers (kmp.engine)"  # the demo runs kmp.prepare's engine
 
 
+def test_the_demo_in_float32_warns_about_nothing(recwarn, capsys):
+    assert cli.main(["demo", "--precision", "float32", "--epochs", "1"]) == 0
+    assert "loss scale     none (float32 needs no loss scaling)" in capsys.readouterr().out
+    assert [str(w.message) for w in recwarn if "/kmp/" in w.filename] == []
+
+
 @pytest.mark.parametrize("hardware, says", [
     (kmp.Hardware("cpu"), "kmp demo: mixed_float16 on CPU: CPUs have no fast float16 math; it runs slower than "
                           "float32. The demo uses it to show dynamic loss scaling"),
