@@ -21,11 +21,40 @@ monitor work on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import time
+import warnings
+
+# The demo exists to show dynamic loss scaling: DeepSpeed's start (initial_scale_power 16) with a window
+# short enough that one run shows the scale climb to where float16 overflows, halve, and grow back.
+DEMO_SCALE_POWER, DEMO_WINDOW = 16, 25
+
+
+def _float16_note() -> str | None:
+    """One line where `kmp env` calls float16 slow here: what it costs, and why the demo uses it anyway."""
+    import kmp
+    from kmp import env
+
+    hardware = kmp.Hardware.detect()
+    speed = env._speed("mixed_float16", hardware, env.cpu_flags())
+    if speed["status"] != "slow":
+        return None
+    cost = speed["note"].split(". ")[0]  # check_hardware's reason, without its advice to leave float16
+    return (f"kmp demo: mixed_float16 on {hardware.kind.upper()}: {cost}. The demo uses it to show dynamic loss "
+            "scaling, which only float16 needs (--precision float32 trains without it).")
+
+
+@contextlib.contextmanager
+def _ignoring(message: str | None):
+    """Inside: warnings starting with `message` are not shown (none, for None); the filters are restored after."""
+    with warnings.catch_warnings():
+        if message:
+            warnings.filterwarnings("ignore", message, UserWarning)
+        yield
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -55,8 +84,12 @@ def _demo(args: argparse.Namespace) -> int:
             batch_size = micro
             print(f"kmp demo: the config's micro-batch {micro}, {accumulation} per optimizer step")
     precision = args.precision or (None if config and config.precision != "fp32" else "mixed_float16")
+    note = _float16_note() if args.precision is None and precision == "mixed_float16" else None
+    if note:
+        print(note)
     keras.utils.set_random_seed(args.seed)
-    with kmp.precision_scope(precision or config) as chosen:
+    ignored = "precision 'mixed_float16' on " if note else None  # check_hardware's advice against the default
+    with _ignoring(ignored), kmp.precision_scope(precision or config) as chosen:
         inputs = keras.Input((64,))
         hidden = keras.layers.Dense(256, activation="relu")(inputs)
         hidden = keras.layers.Dense(256, activation="relu")(hidden)
@@ -65,22 +98,31 @@ def _demo(args: argparse.Namespace) -> int:
         # The config's optimizer block, when it has one; else AdamW(--learning-rate).
         own = None if config is not None and config.optimizer is not None else keras.optimizers.AdamW(
             args.learning_rate)
+        # A config's fp16 block sets its own loss scaling; otherwise the demo's.
+        demo_scale = chosen.needs_loss_scaling and not (config is not None and config.precision == "fp16")
         optimizer = kmp.wrap(own, args.config, precision=chosen, states=args.states, **(
             {"micro_batch_size": batch_size, "total_steps": fills["total_steps"],
-             "warmup_steps": fills["warmup_steps"]} if args.config else {}))
+             "warmup_steps": fills["warmup_steps"]} if args.config else {}),
+            **({"initial_scale": 2.0**DEMO_SCALE_POWER, "dynamic_growth_steps": DEMO_WINDOW} if demo_scale else {}))
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         kmp.prepare(model)  # XLA forward/backward, and the flat-buffer engine where it applies
         print(f"kmp demo: {chosen} on {len(x)} digits images, optimizer {type(optimizer).__name__}")
+        if demo_scale:
+            power, run = DEMO_SCALE_POWER, args.epochs * -(-len(x) // batch_size)
+            print(f"kmp demo: loss scale from 2**{power} (DeepSpeed's initial_scale_power {power}), doubled after "
+                  f"{DEMO_WINDOW} clean steps (loss_scale_window {DEMO_WINDOW}, not DeepSpeed's 1000, so that {run} "
+                  "steps show it grow), halved at each overflow (the step is skipped and logged)")
         start = time.perf_counter()
         recorder = kmp.StepRecorder()
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)  # else no scale to monitor (it warns)
         model.fit(x, y, batch_size=batch_size, epochs=args.epochs, verbose=2 if args.verbose else 0,
-                  callbacks=[LossScaleMonitor(), recorder])
+                  callbacks=[LossScaleMonitor(), recorder] if scaled else [recorder])
         seconds = time.perf_counter() - start
         loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     print(f"test loss      {loss:.4f}")
     print(f"test accuracy  {accuracy:.4f}")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        print(f"loss scale     {float(optimizer.dynamic_scale.numpy()):g}")
+    if scaled:
+        print(f"loss scale     {float(optimizer.dynamic_scale.numpy()):.10g}")
         skipped = getattr(optimizer, "skipped_steps", None)
         if skipped is not None:
             print(f"skipped steps  {int(skipped.numpy())} of {int(skipped.numpy()) + int(optimizer.iterations.numpy())}")

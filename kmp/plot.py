@@ -71,7 +71,7 @@ def plot_run(steps: list[dict], path: str | os.PathLike, title: str = "kmp run")
         import matplotlib
 
         matplotlib.use("Agg")
-        from matplotlib import pyplot
+        from matplotlib import pyplot, ticker
     except ImportError:
         raise KmpError('Drawing the run needs matplotlib, an extra: pip install "kmp[plot]".') from None
     x = [s["step"] for s in steps]
@@ -81,7 +81,7 @@ def plot_run(steps: list[dict], path: str | os.PathLike, title: str = "kmp run")
     numbers = {
         "kmp.steps": str(x[-1]),
         "kmp.final_loss": f"{steps[-1]['loss']:.6g}",
-        "kmp.final_loss_scale": f"{steps[-1].get('loss_scale', math.nan):g}",
+        "kmp.final_loss_scale": f"{steps[-1].get('loss_scale', math.nan):.10g}",  # 1048576, not 1.04858e+06
         "kmp.skipped_steps": str(int(skipped[-1])) if skipped[-1] is not None else "n/a",
         "kmp.overflow_steps": " ".join(str(s) for s in overflow_at),
     }
@@ -108,6 +108,10 @@ def plot_run(steps: list[dict], path: str | os.PathLike, title: str = "kmp run")
         axes[2].step(x, [s.get("skipped_steps", 0.0) for s in steps], where="post", color=OVERFLOW_COLOR,
                      linewidth=1.2)
         axes[2].set_ylabel("skipped steps")
+        # A count: integer ticks, and at least 0..1 so a run without skips is not drawn on -0.04..0.04.
+        top = max(1.0, max(s.get("skipped_steps", 0.0) for s in steps))
+        axes[2].set_ylim(-0.05 * top, 1.05 * top)
+        axes[2].yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         for step in overflow_at:
             for ax in axes[1:]:
                 ax.axvline(step, color=OVERFLOW_COLOR, alpha=0.25, linewidth=0.8)

@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import env
+from kmp import cli, env
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("tensorflow", "keras")
@@ -151,6 +151,29 @@ def test_every_public_name_works_first_thing_in_a_fresh_process():
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each process imports TensorFlow
         failures = [failure for failure in pool.map(first_use, homes.values()) if failure]
     assert failures == []
+
+
+def test_a_keras_file_from_kmp_loads_without_kmp_with_compile_false(tmp_path):
+    """What docs/loss-scaling.md says: without `import kmp` only the full load fails, with Keras's message."""
+    import keras
+    import numpy as np
+
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.Adam()), loss="mse")
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    model.fit(x, x[:, :1], verbose=0)
+    model.save(tmp_path / "model.keras")
+    np.save(tmp_path / "expected.npy", model.predict(x, verbose=0))
+    done, _ = run_python(
+        "import keras, numpy as np\n"
+        f"path, x = {str(tmp_path / 'model.keras')!r}, np.arange(8, dtype='float32').reshape(4, 2)\n"
+        "try:\n    keras.saving.load_model(path)\nexcept TypeError as error:\n    print(str(error).split('.')[0])\n"
+        "model = keras.saving.load_model(path, compile=False)\n"
+        f"same = np.array_equal(model.predict(x, verbose=0), np.load({str(tmp_path / 'expected.npy')!r}))\n"
+        "print(model.layers[0].dtype_policy.name, same, getattr(model, 'optimizer', None), 'kmp' in sys.modules)\n",
+        tmp_path)
+    assert done.stdout.splitlines() == ["Could not locate class 'LossScaleOptimizer'", "mixed_float16 True None False"]
 
 
 def test_the_version_has_one_source():
@@ -332,12 +355,34 @@ def test_env_text():
 def test_demo_trains():
     done = run_kmp("demo", "--epochs", "1")
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0].startswith("kmp demo: mixed_float16 on ") and "optimizer LossScaleOptimizer" in lines[0]
-    values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in lines[1:])
+    said = [line for line in done.stdout.splitlines() if line.startswith("kmp demo: ")]
+    # On a CPU the demo says once what its float16 costs and why it uses it, instead of warning against it.
+    assert said[0] == cli._float16_note() and "Use 'float32'" not in done.stderr
+    assert said[1].startswith("kmp demo: mixed_float16 on ") and "optimizer LossScaleOptimizer" in said[1]
+    assert "loss scale from 2**16 (DeepSpeed's initial_scale_power 16), doubled after 25 clean steps" in said[2]
+    values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in done.stdout.splitlines()
+                  if line not in said)
     assert float(values["test accuracy"]) > 0.5  # one epoch; 10 classes: chance is 0.1
-    assert float(values["loss scale"]) >= 1
+    assert float(values["loss scale"]) != 2.0**16  # 45 steps with a window of 25: the scale has moved
     assert values["update"] == "flat buffers (kmp.engine)"  # the demo runs kmp.prepare's engine
+
+
+def test_the_demo_in_float32_warns_about_nothing(recwarn, capsys):
+    assert cli.main(["demo", "--precision", "float32", "--epochs", "1"]) == 0
+    assert "loss scale     none (float32 needs no loss scaling)" in capsys.readouterr().out
+    assert [str(w.message) for w in recwarn if "/kmp/" in w.filename] == []
+
+
+@pytest.mark.parametrize("hardware, says", [
+    (kmp.Hardware("cpu"), "kmp demo: mixed_float16 on CPU: CPUs have no fast float16 math; it runs slower than "
+                          "float32. The demo uses it to show dynamic loss scaling"),
+    (kmp.Hardware("gpu", (6, 1)), "kmp demo: mixed_float16 on GPU: compute capability (6, 1) has no Tensor Cores"),
+    (kmp.Hardware("gpu", (8, 0)), None),
+])
+def test_the_demos_float16_note_is_kmp_envs_verdict(monkeypatch, hardware, says):
+    monkeypatch.setattr(kmp.Hardware, "detect", classmethod(lambda cls: hardware))
+    note = cli._float16_note()
+    assert note == says if says is None else note.startswith(says) and "Use 'float32'" not in note
 
 
 # --- kmp config check ----------------------------------------------------------

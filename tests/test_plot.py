@@ -6,7 +6,7 @@ import io
 import keras
 import numpy as np
 import pytest
-from matplotlib import image
+from matplotlib import image, pyplot
 from PIL import Image
 
 import kmp
@@ -32,18 +32,20 @@ def test_the_demo_draws_its_run_and_writes_its_numbers_into_the_png(tmp_path):
     path = tmp_path / "run.png"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli.main(["demo", "--epochs", "2", "--plot", str(path)]) == 0
+        assert cli.main(["demo", "--epochs", "3", "--plot", str(path)]) == 0
     printed = dict(line.split(None, 1) if " " in line else (line, "") for line in out.getvalue().splitlines())
     pixels = _pixels(path)
     assert pixels.shape[0] >= 300 and pixels.shape[1] >= 400
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50  # lines, text, axes: not blank
     text = Image.open(path).text
     # 1438 digits in batches of 32 (the demo's default): 45 steps per epoch.
-    assert text["kmp.steps"] == "90"
+    assert text["kmp.steps"] == "135"
     assert printed["loss"].split() == ["scale", text["kmp.final_loss_scale"]]
     skipped = printed["skipped"].split()  # "steps  N of M"
     assert skipped[1] == text["kmp.skipped_steps"]
     assert len(text["kmp.overflow_steps"].split()) == int(text["kmp.skipped_steps"])
+    # What the demo is for: from 2**16 with a window of 25 the scale grows until float16 overflows, then halves.
+    assert int(text["kmp.skipped_steps"]) >= 1 and int(text["kmp.final_loss_scale"]) > 2**16
 
 
 def test_skipped_steps_are_marked(tmp_path):
@@ -61,12 +63,27 @@ def test_skipped_steps_are_marked(tmp_path):
     text = Image.open(tmp_path / "overflow.png").text
     assert text == {**text, **numbers}
     assert int(text["kmp.skipped_steps"]) == skipped == len(text["kmp.overflow_steps"].split())
-    assert text["kmp.final_loss_scale"] == f"{float(model.optimizer.dynamic_scale.numpy()):g}"
+    assert text["kmp.final_loss_scale"] == f"{float(model.optimizer.dynamic_scale.numpy()):.10g}"
     with_marks = _reddish(_pixels(tmp_path / "overflow.png"))
     # The same run with no overflow recorded: no red marks or lines, only the flat red "skipped" curve.
     clean = [{**s, "skipped_steps": 0.0} for s in recorder.steps]
     kmp.plot_run(clean, tmp_path / "clean.png")
     assert with_marks > _reddish(_pixels(tmp_path / "clean.png")) + 50
+
+
+@pytest.mark.parametrize("skips", [[0, 0, 0, 0], [0, 1, 1, 2], [0, 3, 7, 13]])
+def test_the_skipped_steps_axis_counts_in_whole_steps(tmp_path, monkeypatch, skips):
+    figures, close = [], pyplot.close
+    monkeypatch.setattr(pyplot, "close", figures.append)  # keep the figure open to read its axes
+    steps = [{"step": i + 1, "epoch": 0, "loss": 1.0 / (i + 1), "loss_scale": 2.0**16, "skipped_steps": float(n)}
+             for i, n in enumerate(skips)]
+    kmp.plot_run(steps, tmp_path / "run.png")
+    axis = figures[0].axes[2]
+    low, high = axis.get_ylim()
+    shown = [t for t in axis.get_yticks() if low <= t <= high]
+    close(figures[0])
+    assert all(float(t).is_integer() for t in shown) and len(shown) >= 2
+    assert -1 < low <= 0 and max(skips) <= high < max(skips) + 2  # 0 skips: 0..1, not -0.04..0.04
 
 
 def test_no_steps_is_a_clear_error(tmp_path):
