@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import warnings
 
 import keras
@@ -411,7 +412,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def load_own_variables(self, store):
         keys = [k for k in store.keys() if k.startswith("per_replica_")]
+        model = None if self.built else calling_model(self)
+        if model is not None:
+            # Keras skips an unbuilt optimizer's state (a fresh model's
+            # load_weights, a ModelCheckpoint file): it is built here, from the
+            # model that loads it, so the state and the window come back.
+            with model.distribute_strategy.scope(), keras.name_scope(self.name, caller=self):
+                self.build(model.trainable_variables)
+            self.built = True
         super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
+        if not self.built:
+            return  # Keras warned that it skipped the state
         replica_state.assign_rows([self.variables[int(k.removeprefix("per_replica_"))] for k in keys],
                                   [np.asarray(store[k]) for k in keys])
 
@@ -429,6 +440,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
     return loss_scale.initial_state(config).scale
+
+
+def calling_model(optimizer):
+    """The keras.Model compiled with `optimizer` whose method is calling it now (fit, train_on_batch,
+    load_weights), or None.
+
+    Keras never hands an optimizer its model, but its methods call the
+    optimizer from the model's own, so the model is a caller's `self`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def own_clipping(optimizer) -> dict:
