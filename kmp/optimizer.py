@@ -210,9 +210,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                           "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
                           stacklevel=2)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        scale = self.dynamic_scale.value
         # Every micro-batch of a window is scaled by the same scale: it only
-        # changes when a window closes.
+        # changes when a window closes. A static scale of 1 (float32,
+        # bfloat16) divides by nothing.
+        config = self.loss_scale_config
+        scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
         grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
         weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
         if self.accumulation is None:
@@ -383,9 +385,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grew = finite & loss_scale.grows(config, new.good_steps) if config.dynamic else finite & False
         # Keras's step_counter: clean steps since the last growth or overflow.
         self.step_counter.assign(typed_where(finite & ~grew, self.step_counter.value + 1, 0))
-        self.dynamic_scale.assign(new.scale)
-        self.hysteresis_left.assign(new.hysteresis_left)
-        self.good_steps.assign(new.good_steps)
+        if config.dynamic:  # a static state never moves
+            self.dynamic_scale.assign(new.scale)
+            self.hysteresis_left.assign(new.hysteresis_left)
+            self.good_steps.assign(new.good_steps)
         # After the line: a step that ends the line (kmp.overflow_layer) reads this counter first.
         with tf.control_dependencies([] if printed is None else [printed]):
             self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
