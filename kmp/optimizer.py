@@ -163,6 +163,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner_optimizer, loss_scale=config, **kwargs)
 
     def build(self, var_list):
+        self._raise_floor_errors_in_caller()
         # As Keras's build: the state variables are tracked once, by add_variable.
         with seams.get("DotNotTrackScope")():
             super().build(var_list)
@@ -185,6 +186,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.per_replica_window = replica_state.PerReplicaWindow(
                 self.accumulation.local_state, self.accumulation.micro_steps)
 
+    def _raise_floor_errors_in_caller(self):
+        """In the model that builds or traces this optimizer (fit, train_on_batch, load_weights), a step
+        stuck at the floor raises kmp.LossScaleError, not TensorFlow's InvalidArgumentError of the
+        in-graph assert (kmp.overflow.raise_floor_errors_in)."""
+        config = self.loss_scale_config
+        if config.dynamic and config.raise_at_min_scale:
+            model = calling_model(self)
+            if model is not None:
+                overflow.raise_floor_errors_in(model)
+
     @property
     def overflows(self):
         """Overflow steps. Every overflow skips its step (the contract), so this is `skipped_steps`."""
@@ -202,6 +213,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        if not tf.executing_eagerly():  # traced: once per train function (eagerly the step raises itself)
+            self._raise_floor_errors_in_caller()
         wall_clock.stamp("gradients", grads)
         if self.zero_stage and tf.distribute.get_strategy().num_replicas_in_sync > 1 and not self._zero_noted:
             self._zero_noted = True  # once per optimizer

@@ -214,7 +214,7 @@ def _make_function_prepared(self, step_function):
         function = _around_steps(buffers, function)
     if every:
         function = _timed(self, every, timed_apart, kmp_step, function)
-    return _raising_loss_scale_errors(function)
+    return overflow.raising_loss_scale_errors(function)
 
 
 def _breakdown_setting(model):
@@ -327,26 +327,6 @@ def _around_steps(buffers, function):
             return function(iterator)
         finally:
             buffers.stepped()
-
-    call.__wrapped__ = function
-    return call
-
-
-def _raising_loss_scale_errors(function):
-    """`function`, with a step stuck at the loss-scale floor raised as kmp.LossScaleError.
-
-    TensorFlow reports the optimizer's in-graph assert as an InvalidArgumentError
-    of some 2,000 characters; users catch the type kmp documents.
-    """
-
-    def call(iterator):
-        try:
-            return function(iterator)
-        except tf.errors.InvalidArgumentError as e:
-            error = overflow.loss_scale_error(e)
-            if error is None:
-                raise
-            raise error from None
 
     call.__wrapped__ = function
     return call
