@@ -247,6 +247,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                     raise error from None
                 raise
 
+        train_function_with_loss_scale.kmp_raises_floor = True  # kmp.overflow.raise_floor_errors_in leaves it
         self._installed = (self.model, original, train_function_with_loss_scale)
         self.model.train_function = train_function_with_loss_scale
 

@@ -30,9 +30,13 @@ def typed_where(cond, a, b):
 
 
 def unscale(grad, scale):
-    """`grad / scale`, computed in float32; None stays None."""
+    """`grad / scale`, computed in float32; None stays None. A `scale` of None: float32(grad)."""
     if grad is None:
         return None
+    if scale is None:
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(grad.values, tf.float32), grad.indices, grad.dense_shape)
+        return tf.cast(grad, tf.float32)
     scale = tf.cast(scale, tf.float32)
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(tf.cast(grad.values, tf.float32) / scale, grad.indices, grad.dense_shape)

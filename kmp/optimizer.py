@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import sys
 import warnings
 
 import keras
@@ -162,6 +163,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner_optimizer, loss_scale=config, **kwargs)
 
     def build(self, var_list):
+        self._raise_floor_errors_in_caller()
         # As Keras's build: the state variables are tracked once, by add_variable.
         with seams.get("DotNotTrackScope")():
             super().build(var_list)
@@ -184,6 +186,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.per_replica_window = replica_state.PerReplicaWindow(
                 self.accumulation.local_state, self.accumulation.micro_steps)
 
+    def _raise_floor_errors_in_caller(self):
+        """In the model that builds or traces this optimizer (fit, train_on_batch, load_weights), a step
+        stuck at the floor raises kmp.LossScaleError, not TensorFlow's InvalidArgumentError of the
+        in-graph assert (kmp.overflow.raise_floor_errors_in)."""
+        config = self.loss_scale_config
+        if config.dynamic and config.raise_at_min_scale:
+            model = calling_model(self)
+            if model is not None:
+                overflow.raise_floor_errors_in(model)
+
     @property
     def overflows(self):
         """Overflow steps. Every overflow skips its step (the contract), so this is `skipped_steps`."""
@@ -201,6 +213,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        if not tf.executing_eagerly():  # traced: once per train function (eagerly the step raises itself)
+            self._raise_floor_errors_in_caller()
         wall_clock.stamp("gradients", grads)
         if self.zero_stage and tf.distribute.get_strategy().num_replicas_in_sync > 1 and not self._zero_noted:
             self._zero_noted = True  # once per optimizer
@@ -209,9 +223,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                           "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
                           stacklevel=2)
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        scale = self.dynamic_scale.value
         # Every micro-batch of a window is scaled by the same scale: it only
-        # changes when a window closes.
+        # changes when a window closes. A static scale of 1 (float32,
+        # bfloat16) divides by nothing.
+        config = self.loss_scale_config
+        scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
         grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
         weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
         if self.accumulation is None:
@@ -382,9 +398,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grew = finite & loss_scale.grows(config, new.good_steps) if config.dynamic else finite & False
         # Keras's step_counter: clean steps since the last growth or overflow.
         self.step_counter.assign(typed_where(finite & ~grew, self.step_counter.value + 1, 0))
-        self.dynamic_scale.assign(new.scale)
-        self.hysteresis_left.assign(new.hysteresis_left)
-        self.good_steps.assign(new.good_steps)
+        if config.dynamic:  # a static state never moves
+            self.dynamic_scale.assign(new.scale)
+            self.hysteresis_left.assign(new.hysteresis_left)
+            self.good_steps.assign(new.good_steps)
         # After the line: a step that ends the line (kmp.overflow_layer) reads this counter first.
         with tf.control_dependencies([] if printed is None else [printed]):
             self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
@@ -411,7 +428,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def load_own_variables(self, store):
         keys = [k for k in store.keys() if k.startswith("per_replica_")]
+        model = None if self.built else calling_model(self)
+        if model is not None:
+            # Keras skips an unbuilt optimizer's state (a fresh model's
+            # load_weights, a ModelCheckpoint file): it is built here, from the
+            # model that loads it, so the state and the window come back.
+            with model.distribute_strategy.scope(), keras.name_scope(self.name, caller=self):
+                self.build(model.trainable_variables)
+            self.built = True
         super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
+        if not self.built:
+            return  # Keras warned that it skipped the state
         replica_state.assign_rows([self.variables[int(k.removeprefix("per_replica_"))] for k in keys],
                                   [np.asarray(store[k]) for k in keys])
 
@@ -429,6 +456,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
     return loss_scale.initial_state(config).scale
+
+
+def calling_model(optimizer):
+    """The keras.Model compiled with `optimizer` whose method is calling it now (fit, train_on_batch,
+    load_weights), or None.
+
+    Keras never hands an optimizer its model, but its methods call the
+    optimizer from the model's own, so the model is a caller's `self`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def own_clipping(optimizer) -> dict:

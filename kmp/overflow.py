@@ -59,6 +59,46 @@ def loss_scale_error(error: BaseException) -> LossScaleError | None:
     return LossScaleError(found.group(0)) if found else None
 
 
+def raising_loss_scale_errors(function):
+    """`function` (a model's train function), with a step stuck at the floor raised as kmp.LossScaleError."""
+
+    def call(iterator):
+        try:
+            return function(iterator)
+        except tf.errors.InvalidArgumentError as e:
+            error = loss_scale_error(e)
+            if error is None:
+                raise
+            raise error from None
+
+    call.__wrapped__ = function
+    call.kmp_raises_floor = True
+    return call
+
+
+def raise_floor_errors_in(model) -> None:
+    """Makes `model`'s train function (fit, train_on_batch) raise kmp.LossScaleError at the floor.
+
+    On this instance only: its current train function is wrapped, and its
+    `make_train_function` is replaced by one that wraps what Keras's (or
+    kmp.prepare's) makes, so a function made after compile() is wrapped too.
+    """
+    if "make_train_function" not in model.__dict__:
+        make = model.make_train_function
+
+        def make_train_function(force=False):
+            make(force)  # Keras's sets model.train_function (and returns it only when it was there)
+            function = model.train_function
+            if not getattr(function, "kmp_raises_floor", False):
+                function = model.train_function = raising_loss_scale_errors(function)
+            return function
+
+        model.__dict__["make_train_function"] = make_train_function
+    function = model.train_function
+    if function is not None and not getattr(function, "kmp_raises_floor", False):
+        model.train_function = raising_loss_scale_errors(function)
+
+
 def _text(piece):
     if isinstance(piece, str) or piece.dtype == tf.string:
         return piece

@@ -3,12 +3,13 @@
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 
 float16 compute gets a configured `kmp.LossScaleOptimizer`. bfloat16 and
-float32 need no loss scaling: on one device without accumulation they get the
-optimizer itself, with the config's clipping applied. Under a strategy with
-several replicas (call `wrap` inside `strategy.scope()`, as Keras requires
-for optimizers), or with gradient accumulation, they get kmp's optimizer
-with a static scale of 1, so that gradients are all-reduced once before they
-are clipped, and non-finite steps are skipped.
+float32 need no loss scaling: on one device, without accumulation or
+clipping, they get the optimizer itself. Under a strategy with several
+replicas (call `wrap` inside `strategy.scope()`, as Keras requires for
+optimizers), with gradient accumulation, or with clipping (wherever `wrap`
+is called) they get kmp's optimizer with a static scale of 1, so that
+gradients are all-reduced once before they are clipped, and non-finite
+steps are skipped.
 
 Precision comes from, in order: `precision=`, the config's `fp16`/`bf16`
 block when one is enabled, the active global Keras policy. `wrap` never
@@ -16,10 +17,8 @@ changes the global policy.
 
 `wrap` never changes the optimizer it is given. Clipping (DeepSpeed's
 `gradient_clipping`, a global-norm clip) is done by kmp's optimizer, after the
-all-reduce; where `wrap` returns a plain optimizer, it returns a copy
-(`from_config`) with `global_clipnorm` set. A config's `scheduler` block is
-likewise set on a copy, as its `learning_rate` (and, for OneCycle, its
-beta_1: kmp.momentum).
+all-reduce. A config's `scheduler` block is set on a copy (`from_config`), as
+its `learning_rate` (and, for OneCycle, its beta_1: kmp.momentum).
 
 With no optimizer, `wrap` builds the one the config's `optimizer` block
 names (kmp.optimizers); Hugging Face's "auto" values are filled from the
@@ -111,14 +110,13 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         extra["zero_stage"] = 1  # stages 2 and 3 load as stage 1 (kmp.deepspeed says so)
     if chosen.needs_loss_scaling:
         wrapped = LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
-    elif replicas > 1 or steps is not None:
-        # Keras clips each replica's local gradient before its all-reduce, and
-        # its own accumulation fails under tf.distribute. kmp's optimizer does
-        # both right; a static scale of 1 is that pipeline without scaling
-        # (and it still skips non-finite steps).
+    elif replicas > 1 or steps is not None or clip is not None:
+        # Keras clips each replica's local gradient before its all-reduce (and
+        # wrap, called outside strategy.scope(), cannot know the replicas),
+        # and its own accumulation fails under tf.distribute. kmp's optimizer
+        # does both right; a static scale of 1 is that pipeline without
+        # scaling, and it skips non-finite steps.
         wrapped = LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
-    elif clip is not None:
-        wrapped = _copy_with(optimizer, global_clipnorm=clip)
     elif settings.wall_clock_breakdown:
         # A copy, unless built (its state would be lost): then the one attribute below is set on it.
         wrapped = optimizer if optimizer.built else _copy_with(optimizer)

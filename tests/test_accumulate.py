@@ -239,6 +239,40 @@ def _replica_sums(model):
     return [c.numpy() for c in (value.values if isinstance(value, tf.distribute.DistributedValues) else [value])]
 
 
+@pytest.mark.parametrize("distributed", [False, True])
+def test_load_weights_into_a_fresh_model_restores_the_optimizer_and_trains_on_alike(two_replicas, tmp_path,
+                                                                                   distributed):
+    """A fresh model's optimizer is not built yet; Keras would skip its state (ModelCheckpoint files too)."""
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    x = X[:24].copy()
+    x[0, 0] = INF  # the first window overflows: the loss-scale state moves
+
+    def make():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(0.01), precision="mixed_float16",
+                                             gradient_accumulation_steps=2, log_overflows=False), loss="mse")
+        return model
+
+    saved = make()
+    saved.fit(x, Y[:24], batch_size=8, shuffle=False, verbose=0)  # a skipped window, then an open one
+    assert int(saved.optimizer.skipped_steps.numpy()) == 1 and int(saved.optimizer.accumulation.micro_steps.numpy()) == 1
+    path = str(tmp_path / "w.weights.h5")
+    saved.save_weights(path)
+    loaded = make()
+    assert not loaded.optimizer.built
+    loaded.load_weights(path)
+    for ours, theirs in zip(loaded.optimizer.variables, saved.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy(), err_msg=ours.path)
+    np.testing.assert_array_equal(_replica_sums(loaded), _replica_sums(saved))
+    for model in (saved, loaded):  # closes the open window: one update
+        model.fit(X[24:32], Y[24:32], batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(saved.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.optimizer.iterations.numpy()) == int(saved.optimizer.iterations.numpy()) == 1  # one skipped
+
+
 @pytest.mark.parametrize("method", ["weights", "checkpoint"])
 def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replicas, tmp_path, method):
     cut = _accumulating_model(two_replicas)

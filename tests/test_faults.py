@@ -33,7 +33,7 @@ XY = (np.ones((32, 4), "float32"), np.ones((32, 1), "float32"))
 # --- #7: the floor raises the type users catch, remedies first ---------------
 
 
-@pytest.mark.parametrize("how", ["monitor", "prepare", "monitor+xla"])
+@pytest.mark.parametrize("how", ["plain", "monitor", "prepare", "monitor+xla"])
 def test_the_floor_raises_loss_scale_error_in_fit(how):
     model = _stuck_model(jit_compile=how.endswith("xla"))
     callbacks = [LossScaleMonitor()] if how.startswith("monitor") else []
@@ -53,6 +53,23 @@ def test_the_floor_raises_loss_scale_error_under_mirrored_strategy(two_replicas)
     kmp.prepare(model)  # XLA per replica; the optimizer step runs outside XLA
     with pytest.raises(LossScaleError, match="Remedies:"):
         model.fit(*XY, batch_size=8, epochs=3, verbose=0)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_the_floor_raises_loss_scale_error_in_plain_fit_and_train_on_batch(two_replicas, distributed):
+    """No kmp.prepare, no monitor: the optimizer makes its model's train function raise the type."""
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    with strategy.scope():
+        model = _stuck_model()
+    with pytest.raises(LossScaleError, match="Remedies:"):
+        model.fit(*XY, batch_size=8, epochs=3, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    with pytest.raises(LossScaleError, match="Remedies:"):
+        model.train_on_batch(*XY)
+    model.compile(optimizer=model.optimizer, loss=_InfLoss())  # a new train function: still raised as kmp's
+    with pytest.raises(LossScaleError, match="Remedies:"):
+        model.train_on_batch(*XY)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
 def test_other_errors_pass_through_unchanged():

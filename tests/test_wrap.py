@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmp
 from kmp.optimizer import LossScaleOptimizer
@@ -72,23 +73,56 @@ def test_config_without_precision_follows_the_policy():
     assert isinstance(opt, LossScaleOptimizer) and opt.gradient_clipping == 0.5
 
 
-def test_bf16_gets_a_plain_copy_with_clipping_and_the_original_is_untouched():
-    keras.config.set_dtype_policy("mixed_bfloat16")
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_clipping_without_loss_scaling_gets_kmps_optimizer_and_the_original_is_untouched(policy):
+    keras.config.set_dtype_policy(policy)
     inner = keras.optimizers.SGD(0.25, momentum=0.5)
     before = inner.get_config()
-    copy = kmp.wrap(inner, {"bf16": {"enabled": True}, "gradient_clipping": 2.0})
-    assert type(copy) is keras.optimizers.SGD and copy is not inner
-    assert copy.global_clipnorm == 2.0
-    assert copy.get_config() == {**before, "global_clipnorm": 2.0}
+    opt = kmp.wrap(inner, {"gradient_clipping": 2.0})
+    assert type(opt) is LossScaleOptimizer and opt.inner_optimizer is inner
+    assert opt.gradient_clipping == 2.0 and opt.loss_scale_config.static_scale == 1.0
     assert inner.get_config() == before
-    # Clipping the optimizer already does is not added twice.
+    # Clipping the optimizer already does is not added twice: it is used as it is.
     same = keras.optimizers.SGD(global_clipnorm=2.0)
-    assert kmp.wrap(same, {"bf16": {"enabled": True}, "gradient_clipping": 2.0}) is same
-    # A built optimizer cannot be copied without losing its state: say so.
-    built = keras.optimizers.SGD()
-    built.build([keras.Variable(1.0)])
-    with pytest.raises(kmp.ConfigError, match="global_clipnorm=2.0 on it yourself"):
-        kmp.wrap(built, {"bf16": {"enabled": True}, "gradient_clipping": 2.0})
+    assert kmp.wrap(same, {"gradient_clipping": 2.0}) is same
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_clipping_on_one_device_skips_a_non_finite_step(policy):
+    """Keras's global_clipnorm turns an inf gradient into NaN in every weight; kmp's optimizer skips the step."""
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), gradient_clipping=1.0, log_overflows=False),
+                  loss="mse")
+    x = np.ones((8, 4), "float32")
+    model.fit(x, np.ones((8, 1), "float32"), batch_size=8, verbose=0)
+    before = model.get_weights()
+    model.fit(x, np.full((8, 1), np.inf, "float32"), batch_size=8, verbose=0)  # the loss is inf
+    for a, b in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.skipped_steps.numpy()) == 1 and int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_clipping_asked_outside_the_scope_clips_the_all_reduced_gradient(two_replicas):
+    """Wrapped outside strategy.scope(), compiled inside: as one device, not each replica's own clip."""
+    keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32") * 10
+
+    def train(strategy):
+        opt = kmp.wrap(keras.optimizers.SGD(0.1), gradient_clipping=0.1)  # outside any scope
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    for a, b in zip(train(two_replicas), train(tf.distribute.get_strategy()), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-7)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "float32"])

@@ -243,7 +243,7 @@ def _build_function(self, step_function):
             + (["overflow-layer finder"] if finder else []))
     else:
         replica_step.path_of(self)["taken"] = "the model's own train_step, per-variable update"
-    return _raising_loss_scale_errors(function)
+    return overflow.raising_loss_scale_errors(function)
 
 
 _FALLBACK_ORDER = (FLAT, FINDER, XLA)
@@ -447,26 +447,6 @@ def _around_steps(buffers, function):
             return function(iterator)
         finally:
             buffers.stepped()
-
-    call.__wrapped__ = function
-    return call
-
-
-def _raising_loss_scale_errors(function):
-    """`function`, with a step stuck at the loss-scale floor raised as kmp.LossScaleError.
-
-    TensorFlow reports the optimizer's in-graph assert as an InvalidArgumentError
-    of some 2,000 characters; users catch the type kmp documents.
-    """
-
-    def call(iterator):
-        try:
-            return function(iterator)
-        except tf.errors.InvalidArgumentError as e:
-            error = overflow.loss_scale_error(e)
-            if error is None:
-                raise
-            raise error from None
 
     call.__wrapped__ = function
     return call
