@@ -15,23 +15,29 @@ step, in replica context, on one device or several:
 No op on that path touches a per-variable optimizer state; the only
 per-variable work left is the forward/backward pass itself.
 
-During fit() the buffers are the truth and the Keras variables lag. Like
+Between calls of fit() and train_on_batch() the Keras variables are the
+truth: each call loads the buffers from them when it starts and stores the
+buffers into them when it ends, however it ends (as Keras's JAX trainer
+syncs its state after each train_on_batch). Any read or write between
+calls, by any route (`variable.assign`, `layer.set_weights`, a tf.function
+of the user's own), is what stock Keras would see.
+
+Inside fit() the buffers are the truth and the Keras variables lag. Like
 Keras's JAX trainer (which keeps its state as arrays and writes them back
 with `jax_state_sync` when observed), the engine copies the buffers into
-the Keras variables before anything can observe them, and back when
-something may have written them:
+the Keras variables before anything in fit() can observe them, and back
+when something may have written them:
 
     buffers -> Keras variables (store), when the buffers are newer, before:
         evaluate / predict / save / save_weights / get_weights / test_on_batch /
         predict_on_batch / export, called on the model (validation in fit() too);
         every on_epoch_end and on_train_end (before the callbacks);
         each hook of a callback kmp does not know, that the callback overrides;
-        the end of fit(), however it ends (an exception, KeyboardInterrupt);
         an overflowing step's layer diagnosis (its forward pass reads them).
     Keras variables -> buffers (load), before the next step, after:
-        the start of fit(); set_weights / load_weights on the model (Keras's
-        BackupAndRestore and EarlyStopping restore through them; kmp's
-        BackupAndRestore says so itself);
+        set_weights / load_weights on the model (Keras's BackupAndRestore and
+        EarlyStopping restore through them; kmp's BackupAndRestore says so
+        itself);
         each overridden hook (epoch or batch) of a callback kmp does not know.
 
 Under MultiWorkerMirroredStrategy at ZeRO stage 1 each worker holds its
@@ -274,12 +280,17 @@ def install(model: keras.Model) -> None:
     if model.__dict__.get("_kmp_engine_methods"):
         return
     model.__dict__["_kmp_engine_methods"] = True
-    for name in _READERS + _WRITERS + ("fit",):
+    for name in _READERS + _WRITERS + ("fit", "train_on_batch"):
         stock = getattr(type(model), name, None)
         if stock is None:
             continue
         first = written if name in _WRITERS else observe if name in _SAVERS else _observe_weights
-        method = _fit(stock) if name == "fit" else _calling_first(first, stock)
+        if name == "fit":
+            method = _fit(stock)
+        elif name == "train_on_batch":
+            method = _training(stock, stock)
+        else:
+            method = _calling_first(first, stock)
         setattr(model, name, types.MethodType(method, model))
 
 
@@ -307,13 +318,28 @@ def _calling_first(first, stock):
 def _fit(stock):
     parameters = inspect.signature(stock)
 
-    @functools.wraps(stock)
     def fit(self, *args, **kwargs):
-        written(self)  # the model may have changed since the last fit()
         bound = parameters.bind(self, *args, **kwargs)
         bound.arguments["callbacks"] = callbacks(self, bound.arguments.get("callbacks"))
+        return stock(*bound.args, **bound.kwargs)
+
+    return _training(fit, stock)
+
+
+def _training(call, stock):
+    """`call`, trained from the Keras variables and leaving them current, however it ends.
+
+    Before it, the buffers are loaded: anything may have written the
+    variables since (`variable.assign`, `layer.set_weights`, code of the
+    user's own between train_on_batch calls). After it, they are stored, as
+    Keras's JAX trainer syncs its state after each train_on_batch.
+    """
+
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        written(self)
         try:
-            result = stock(*bound.args, **bound.kwargs)
+            result = call(self, *args, **kwargs)
         except BaseException:
             # The other workers may not come to a gather of the state: the weights only.
             observe(self, state=False)
@@ -321,5 +347,5 @@ def _fit(stock):
         observe(self)
         return result
 
-    return fit
+    return method
 

@@ -540,3 +540,83 @@ def test_models_of_millions_of_parameters_compile(optimizer, jit_compile):
     after = model.get_weights()
     assert all(np.isfinite(w).all() for w in after)
     assert not np.array_equal(before[0], after[0])
+
+
+# --- Reads and writes between train_on_batch calls, by any route ----------------------
+
+
+def _on_batches(flat, between, steps=3, strategy=None):
+    """train_on_batch `steps` times, `between(model)` after each; what `between` returned each time."""
+    model = kmp.prepare(_model(strategy), flat_buffers=flat)
+    x, y = _data()
+    seen = []
+    for k in range(steps):
+        model.train_on_batch(x[8 * k:8 * k + 8], y[8 * k:8 * k + 8])
+        seen.append(between(model))
+    return model, seen
+
+
+def test_a_variable_written_between_train_on_batch_calls_is_trained_from():
+    """The issue's repro: SGD at lr 0 changes nothing, so the kernel stays as written."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.0), gradient_accumulation_steps=1), loss="mse")
+    kmp.prepare(model, flat_buffers=True)
+    x = np.ones((16, 8), "float32")
+    model.train_on_batch(x, x[:, :1])
+    assert engine.engine_of(model) is not None
+    model.layers[0].kernel.assign(np.zeros((8, 1)))
+    model.train_on_batch(x, x[:, :1])
+    assert np.abs(model.get_weights()[0]).max() == 0.0
+    assert np.abs(model.layers[0].kernel.numpy()).max() == 0.0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_every_read_between_train_on_batch_calls_sees_the_current_weights(replicas, two_replicas):
+    strategy = two_replicas if replicas == 2 else None
+    reads = [
+        lambda m: m.layers[0].kernel.numpy(),                        # a layer's variable
+        lambda m: m.layers[0].get_weights()[0],                      # a layer's get_weights
+        lambda m: np.array(m.layers[0].kernel),                      # __array__
+        lambda m: tf.function(lambda: tf.reduce_sum(m.layers[0].kernel.value))().numpy(),  # a graph's read
+    ]
+    for read in reads:
+        runs = [_on_batches(flat, read, strategy=strategy)[1] for flat in (False, True)]
+        _assert_close(runs[0], runs[1])
+
+
+def test_weight_clipping_between_train_on_batch_calls_holds():
+    """WGAN's critic: every kernel clipped to [-0.01, 0.01] after each step."""
+
+    def clip(model):
+        for layer in model.layers:
+            for v in layer.trainable_weights:
+                v.assign(np.clip(v.numpy(), -0.01, 0.01))
+        return [v.numpy() for v in model.trainable_variables]
+
+    runs = [_on_batches(flat, clip, steps=4)[1] for flat in (False, True)]
+    for per_variable, flat in zip(*runs):
+        _assert_close(per_variable, flat)
+    assert max(np.abs(w).max() for w in runs[1][-1]) <= 0.01
+
+
+class _Ema(keras.callbacks.Callback):
+    """An EMA of the weights swapped in for each epoch's end (as EMA callbacks evaluate), and back out."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        weights = self.model.get_weights()
+        self.ema = weights if not hasattr(self, "ema") else [0.5 * a + 0.5 * w for a, w in zip(self.ema, weights)]
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.live = self.model.get_weights()
+        for v, a in zip(self.model.weights, self.ema):
+            v.assign(a)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if hasattr(self, "live"):
+            for v, w in zip(self.model.weights, self.live):
+                v.assign(w)
+
+
+def test_an_ema_swap_by_assign_in_callbacks_trains_as_the_per_variable_path():
+    runs = [_trained(flat, callbacks=[_Ema()], epochs=3)[0] for flat in (False, True)]
+    _assert_close(_raw(runs[0]), _raw(runs[1]))
