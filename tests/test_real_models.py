@@ -9,9 +9,11 @@ float32); the same skipped steps as stock, within one; a `.keras` file that
 loads (kmp imported) and takes one more step equal to the live model's; and
 the path kmp took, printed (`pytest -s` shows it).
 
-The matrix is a selection: every model on fp16 one device, and each other
-axis on models of different kinds, on the flat engine and the per-variable
-path. Tolerances (rtol on each step's loss):
+The matrix is a selection that keeps the suite's time in check: every
+model at fp16 on one device (keras-hub's Mixtral at float32: see MATRIX),
+and each other axis on models of different kinds, on the flat engine and
+the per-variable path; two MultiWorkerMirroredStrategy workers train two
+models at the end. Tolerances (rtol on each step's loss):
 - fp16 against Keras's fp16: 1e-2. Both keep float32 masters and take the
   same loss scale; what differs is the order of float32 sums (the all-reduce,
   the fused update's FMA), about 1e-4 after a few steps.
