@@ -275,3 +275,22 @@ def test_uneven_shares_train_as_one_device(two_replicas, caplog, flat, batch_siz
     if loss == "mse":  # (Keras reports a summed loss times the replicas)
         np.testing.assert_allclose(one[1], two[1], rtol=1e-5)
     assert "weighted per replica" not in caplog.text
+
+
+def test_which_losses_are_weighted_by_rows(caplog):
+    class OwnLoss(keras.Sequential):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    def mean_per_row(loss, kind=keras.Sequential):
+        model = kind([keras.Input((6,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss=loss)
+        return replica_step._mean_per_row(model)
+
+    mse = keras.losses.MeanSquaredError
+    assert mean_per_row("mse") and mean_per_row(keras.losses.mean_squared_error) and mean_per_row(mse())
+    assert not mean_per_row(mse(reduction="sum")) and not caplog.text  # exact unweighted
+    assert not mean_per_row("mse", OwnLoss)
+    assert "weighted per replica, as Keras does, not per row: the model has its own compute_loss" in caplog.text
+    assert not mean_per_row([mse(), mse(reduction="sum")])  # one weight cannot fit both
+    assert "its losses reduce by ['sum', 'sum_over_batch_size']" in caplog.text
