@@ -158,7 +158,9 @@ class Engine:
         weights = buffers.read_weights()
         if len(buffers.sizes) > SPLIT_IN_XLA_UP_TO:
             weights = buffers.split(weights)
-        grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, x, y, sample_weight)
+        weight = replica_step.row_weight(model, x)
+        weighted = scale if weight is None else scale * weight  # the loss's factor; the gradient is unscaled by scale
+        grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, weighted, x, y, sample_weight)
         replica_step.apply_writes_and_track_loss(model, writes, loss, x)
         # The layer diagnosis traced after an overflowing step (the whole step
         # in XLA) runs the model on its Keras variables; outside XLA it runs
@@ -186,12 +188,12 @@ class Engine:
         return (getattr(model, "_kmp_jit_compile", "auto") is not False and bool(seams.get("model_supports_jit")(model))
                 and replica_step.XLA not in replica_step.path_of(model)["dropped"])
 
-    def _forward_backward(self, weights, other_values, scale, x, y, sample_weight):
+    def _forward_backward(self, weights, other_values, scale, weighted, x, y, sample_weight):
         with tf.GradientTape() as tape:
             values = weights if isinstance(weights, list) else self.buffers.split(weights)
             tape.watch(values)
             y_pred, loss, writes = replica_step.stateless_loss(self.model, values, other_values, x, y, sample_weight)
-            scaled = keras.ops.multiply(loss, scale)
+            scaled = keras.ops.multiply(loss, weighted)
         grads = tape.gradient(scaled, values)
         # Zeros where a variable got no gradient (it is then not updated); unscaled
         # here, fused into this computation.

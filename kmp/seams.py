@@ -85,6 +85,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_jit_compile",            # read, and set while Keras builds a function
         "_distribute_strategy",
         "_compute_loss",
+        "_compile_config",         # kmp.prepare: a replaced LossScaleOptimizer is what save() writes
         "_loss_tracker",
         "_call_has_training_arg",
         "_autoconvert_optionals",

@@ -292,6 +292,45 @@ def test_prepared_fit_under_mirrored_strategy_equals_stock_fit(two_replicas, mon
     assert all(isinstance(leaf, tf.distribute.DistributedValues) for leaf in keras.tree.flatten(seen[0]))
 
 
+@pytest.mark.parametrize("flat", [False, "auto"])
+def test_kerass_loss_scale_optimizer_is_replaced_and_skips_an_inf_on_the_second_replica(two_replicas, caplog, flat):
+    """compile() wraps the optimizer in Keras's LossScaleOptimizer under mixed_float16, which
+    checks the first replica's gradients only: an inf on the second put nan into the weights."""
+    keras.config.set_dtype_policy("mixed_float16")
+    with two_replicas.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)], name="net")
+        model.compile(optimizer="adam", loss="mse")
+    inner = model.optimizer.inner_optimizer
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    distribute.prepare(model, flat_buffers=flat)
+    assert isinstance(model.optimizer, kmp.LossScaleOptimizer) and model.optimizer.inner_optimizer is inner
+    assert "replaced net's keras.optimizers.LossScaleOptimizer" in caplog.text
+    x = np.ones((2, 4), "float32")
+    x[1, 0] = np.inf  # the second replica's row
+    model.fit(x, np.ones((2, 1), "float32"), batch_size=2, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert int(model.optimizer.skipped_steps.numpy()) == 1 and int(model.optimizer.iterations.numpy()) == 0
+    assert (kmp.engine.engine_of(model) is not None) == bool(flat)
+
+
+def test_the_replacement_keeps_kerass_settings_and_is_saved(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0,
+                                                                dynamic_growth_steps=3), loss="mse")
+    distribute.prepare(model)
+    config = model.optimizer.loss_scale_config
+    assert (config.initial_scale, config.dynamic_growth_steps) == (8.0, 3)
+    model.fit(np.ones((4, 4), "float32"), np.ones((4, 1), "float32"), epochs=3, verbose=0)
+    assert float(model.optimizer.dynamic_scale.numpy()) == 16.0  # grown after 3 clean steps
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded.optimizer, kmp.LossScaleOptimizer)
+    assert float(loaded.optimizer.dynamic_scale.numpy()) == 16.0
+    distribute.prepare(model)  # kmp's already: kept
+    assert model.optimizer.loss_scale_config is config
+
+
 def test_steps_per_execution_fails_stock_and_works_prepared(two_replicas):
     """keras-team/keras#19246: under MirroredStrategy Keras 3.15 runs each step of an
     execution inside a tf.cond, and a step's all-reduce (a merge_call) fails there."""

@@ -239,3 +239,58 @@ def test_freezing_layers_and_recompiling_a_prepared_model_trains_as_unprepared(t
         weights.append(model.get_weights())
     for plain, prepared in zip(*weights):
         np.testing.assert_allclose(plain, prepared, rtol=1e-5, atol=1e-6)
+
+
+def _sgd_trajectory(strategy, batch_size, flat, sample_weight=None, accumulation=None, loss="mse"):
+    """(weights, losses per epoch) after 2 epochs of SGD on 7 rows, on one device (strategy None) or prepared."""
+    keras.config.set_dtype_policy("float32")
+    with strategy.scope() if strategy else keras.name_scope("one_device"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+        inner = keras.optimizers.SGD(0.1, momentum=0.5)
+        model.compile(optimizer=kmp.LossScaleOptimizer(inner, gradient_accumulation_steps=accumulation), loss=loss)
+    if strategy:
+        kmp.prepare(model, flat_buffers=flat)
+    history = model.fit(X[:7], Y[:7], batch_size=batch_size, epochs=2, sample_weight=sample_weight, shuffle=False,
+                        verbose=0)
+    assert flat == (strategy is not None and kmp.engine.engine_of(model) is not None)
+    return model.get_weights(), history.history["loss"]
+
+
+@pytest.mark.parametrize("flat, batch_size, weighted, accumulation, loss", [
+    (False, 1, False, None, "mse"),  # each batch's second share is empty
+    (True, 1, False, None, "mse"),
+    (False, 3, True, None, "mse"),   # shares of 2 and 1 rows, then the epoch's last batch of 1: 1 and 0
+    (True, 3, True, None, "mse"),
+    (True, 4, False, 2, "mse"),      # 2 and 2, then 2 and 1: accumulation averages per micro-batch, as one device
+    (False, 3, False, None, keras.losses.MeanSquaredError(reduction="sum")),  # a sum per row: not weighted
+])
+def test_uneven_shares_train_as_one_device(two_replicas, caplog, flat, batch_size, weighted, accumulation, loss):
+    """Keras's mean losses averaged each replica's mean: an empty share halved the step (batch 1)."""
+    weights = np.linspace(0.5, 2.0, 7).astype("float32") if weighted else None
+    one = _sgd_trajectory(None, batch_size, False, weights, accumulation, loss)
+    two = _sgd_trajectory(two_replicas, batch_size, flat, weights, accumulation, loss)
+    for a, b in zip(one[0], two[0], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6)  # XLA's FMA contraction over 14 steps
+    if loss == "mse":  # (Keras reports a summed loss times the replicas)
+        np.testing.assert_allclose(one[1], two[1], rtol=1e-5)
+    assert "weighted per replica" not in caplog.text
+
+
+def test_which_losses_are_weighted_by_rows(caplog):
+    class OwnLoss(keras.Sequential):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    def mean_per_row(loss, kind=keras.Sequential):
+        model = kind([keras.Input((6,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss=loss)
+        return replica_step._mean_per_row(model)
+
+    mse = keras.losses.MeanSquaredError
+    assert mean_per_row("mse") and mean_per_row(keras.losses.mean_squared_error) and mean_per_row(mse())
+    assert not mean_per_row(mse(reduction="sum")) and not caplog.text  # exact unweighted
+    assert not mean_per_row("mse", OwnLoss)
+    assert "weighted per replica, as Keras does, not per row: the model has its own compute_loss" in caplog.text
+    assert not mean_per_row([mse(), mse(reduction="sum")])  # one weight cannot fit both
+    assert "its losses reduce by ['sum', 'sum_over_batch_size']" in caplog.text

@@ -82,6 +82,11 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     else off. On one device the timed step is not compiled as one XLA
     computation (a stamp cannot be placed inside one); this is said once.
 
+    A `keras.optimizers.LossScaleOptimizer` on the model (compile() wraps any
+    optimizer in it under mixed_float16) is replaced by kmp's on the same
+    inner optimizer, initial scale and growth interval, with one logged line:
+    Keras's checks only the first replica's gradients for inf/nan.
+
     Two of the instance's methods are replaced, each delegating to Keras's
     (besides the XLA step above):
 
@@ -132,6 +137,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     model._kmp_flat_buffers = flat_buffers
     model._kmp_wall_clock_breakdown = wall_clock_breakdown
     model._kmp_settings = settings
+    _with_kmp_loss_scaling(model)
     if flat_buffers:
         engine.install(model)
     if is_prepared(model):
@@ -141,6 +147,34 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     for name, method in _REPLACEMENTS.items():
         setattr(model, name, types.MethodType(method, model))
     return model
+
+
+def _with_kmp_loss_scaling(model: keras.Model) -> None:
+    """Keras's LossScaleOptimizer on the model replaced by kmp's, on the same inner optimizer and settings.
+
+    compile() wraps any optimizer in Keras's class under mixed_float16. Under
+    a strategy it checks replica 0's local gradients only, so an inf on another
+    replica reaches the weights; kmp's checks the all-reduced ones (and is what
+    the flat buffers train with).
+    """
+    from kmp.optimizer import LossScaleOptimizer  # kmp.optimizer imports kmp.distribute
+
+    stock = model.optimizer if model.compiled else None
+    if type(stock) is not keras.optimizers.LossScaleOptimizer:
+        return
+    scale = float(stock.dynamic_scale.numpy()) if stock.built else stock.initial_scale
+    with model.distribute_strategy.scope():
+        ours = LossScaleOptimizer(stock.inner_optimizer, initial_scale=scale,
+                                  dynamic_growth_steps=stock.dynamic_growth_steps, name=stock.name)
+    model.optimizer = ours
+    model._compile_config.config["optimizer"] = ours  # what save() writes: reloaded with kmp's class
+    model.train_function = None
+    logger.warning("kmp: prepare replaced %s's keras.optimizers.LossScaleOptimizer (compile() adds it under "
+                   "mixed_float16) by kmp.LossScaleOptimizer on the same %s, initial_scale=%g, "
+                   "dynamic_growth_steps=%d: Keras's checks only the first replica's gradients for inf/nan, kmp's "
+                   "the all-reduced ones, and raises kmp.LossScaleError at its floor of 1. kmp.wrap(optimizer) in "
+                   "compile() gives kmp's directly.",
+                   model.name, type(stock.inner_optimizer).__name__, scale, stock.dynamic_growth_steps)
 
 
 def is_prepared(model: keras.Model) -> bool:

@@ -8,7 +8,8 @@ located in device CPU:1 from device CPU:0"). A prepared model's train step
 (`kmp.prepare(model)`) compiles the per-replica parts only, on each replica:
 
     values = this replica's copy of every model and metric variable
-    grads, y_pred, loss, writes = forward_backward(values, scale, data)  # XLA
+    weight = rows * N / the global batch's rows         # row_weight: uneven shares
+    grads, y_pred, loss, writes = forward_backward(values, scale * weight, data)  # XLA
     variable.assign(w) for each write   # BatchNorm statistics, dropout seeds:
                                         # as Keras assigns them in replica context,
                                         # except non-finite statistics
@@ -28,13 +29,17 @@ see docs/distributed.md.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import keras
 import tensorflow as tf
 
 from kmp import seams, wall_clock
+from kmp.distribute.communication import all_reduce_sum
 from kmp.distribute.tpu import is_tpu_strategy
+
+logger = logging.getLogger(__name__)
 
 JIT_CHOICES = ("auto", True, False)
 # The fast paths a prepared model's first train step falls back from when it cannot be built on them
@@ -88,12 +93,65 @@ def train_step(model: keras.Model, data):
     # The loss-scale factor, read here (replica context), applied inside as
     # Keras's scale_loss does: loss * scale.
     scale = tf.convert_to_tensor(model.optimizer.scale_loss(tf.constant(1.0)))
+    weight = row_weight(model, x)
+    if weight is not None:
+        scale = scale * weight  # the optimizer unscales by the loss scale alone: the weight stays
     grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
     wall_clock.stamp("gradients", grads)
     apply_writes_and_track_loss(model, writes, loss, x)
     model.optimizer.apply(grads, trainable)
     wall_clock.stamp("updated", trainable[:1])  # kmp's optimizer stamped its own parts already
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def row_weight(model: keras.Model, x):
+    """This replica's weight in the all-reduced gradient: rows * N / the global batch's rows (None: 1).
+
+    Keras's mean losses divide each replica's loss by its own rows and by the
+    replicas N, so the summed gradient is the mean of the replicas' means.
+    With uneven shares (a global batch of 3 on two replicas; the last batch of
+    an epoch; a batch of 1, whose second share is empty) rows then weigh
+    unequally, and an empty share halves the step. Times this weight, the sum
+    is the gradient of the mean over the global batch's rows, as on one
+    device; terms that are not per row (regularizers) keep their sum. It costs
+    one all-reduce of a scalar per step, skipped where the batch size is static
+    (every share then has the same rows).
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    first = next(i for i in keras.tree.flatten(x) if i is not None)
+    if first.shape[0] is not None or not _mean_per_row(model):
+        return None
+    rows = tf.cast(tf.shape(first)[:1], tf.float32)
+    (total,) = all_reduce_sum([rows])
+    return (rows * context.num_replicas_in_sync / total)[0]
+
+
+def _mean_per_row(model) -> bool:
+    """Whether the loss is known to be a mean per row, which the weight makes exact.
+
+    A sum per row (reduction "sum") is exact unweighted; other losses are said once.
+    """
+    reductions = {getattr(loss, "reduction", "sum_over_batch_size")  # strings and functions: compile's mean
+                  for loss in keras.tree.flatten(model.loss) if loss is not None}
+    reason = None
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        reason = "the model has its own compute_loss"
+    elif not reductions:
+        reason = "the model has no compiled loss"
+    elif reductions == {"sum"}:
+        return False
+    elif not reductions <= {"sum_over_batch_size", "mean"}:
+        reason = f"its losses reduce by {sorted(reductions)}"
+    if reason is None:
+        return True
+    if not model.__dict__.get("_kmp_rows_noted"):
+        model.__dict__["_kmp_rows_noted"] = True
+        logger.warning("kmp: %s: uneven shares of a global batch across replicas (the last batch of an epoch) are "
+                       "weighted per replica, as Keras does, not per row: %s, not a mean per row known to kmp.",
+                       model.name, reason)
+    return False
 
 
 def forget(model: keras.Model) -> None:
