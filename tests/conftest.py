@@ -63,3 +63,14 @@ def two_replicas():
     earlier one's tensors ("Shape mismatch in the collective instance").
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The real-model matrix (tests/test_real_models.py): each case's path and losses, in every run's output."""
+    import sys
+
+    rows = getattr(sys.modules.get("real_models"), "REPORT", [])
+    if rows:
+        terminalreporter.section("real models: the path kmp took")
+        for row in rows:
+            terminalreporter.line(row)

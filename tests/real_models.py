@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 VOCAB, SEQ, IMAGE = 128, 16, (32, 32, 3)
+REPORT = []  # one line per trained case, printed at the end of the run (tests/conftest.py)
 
 
 @dataclasses.dataclass(frozen=True)

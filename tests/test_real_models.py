@@ -7,7 +7,7 @@ step's loss within the axis's tolerance of stock Keras at the same precision
 on one device (fp16: Keras's LossScaleOptimizer with jit_compile=True; bf16:
 float32); the same skipped steps as stock, within one; a `.keras` file that
 loads (kmp imported) and takes one more step equal to the live model's; and
-the path kmp took, printed (`pytest -s` shows it).
+the path kmp took, listed at the end of the run's output (tests/conftest.py).
 
 The matrix is a selection that keeps the suite's time in check: every
 model at fp16 on one device (keras-hub's Mixtral at float32: see MATRIX),
@@ -124,7 +124,8 @@ def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, two_rep
     strategy = two_replicas if axis.replicas == 2 else tf.distribute.get_strategy()
     model = _kmp_model(case, axis, path, strategy)
     losses = real_models.fit_steps(case, model, STEPS, BATCH)
-    print(f"\n{name} / {axis_name} / {path}: {replica_step.describe_path(model)}; losses {np.round(losses, 5)}")
+    real_models.REPORT.append(f"{name} / {axis_name} / {path} asked: {replica_step.describe_path(model)}; "
+                              f"losses {np.round(losses, 4).tolist()}")
     assert np.all(np.isfinite(losses)), losses
     reference, skipped = _reference(case, axis)
     np.testing.assert_allclose(losses, reference, rtol=axis.rtol)
@@ -191,7 +192,8 @@ def test_real_models_train_on_two_workers(tmp_path):
     results = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
     for (name, policy, path), spec in zip(MULTI_WORKER, specs):
         first, second = results[0][spec], results[1][spec]
-        print(f"\n{name} / two workers, {policy} / {path}: {first['path']}; losses {np.round(first['losses'], 5)}")
+        real_models.REPORT.append(f"{name} / two workers, {policy} / {path} asked: {first['path']}; "
+                                  f"losses {np.round(first['losses'], 4).tolist()}")
         assert first["replicas"] == 2
         np.testing.assert_allclose(first["losses"], second["losses"], rtol=1e-6)  # one loss, every worker
         axis = Axis(policy, 2, rtol=3e-2 if policy == "mixed_bfloat16" else 1e-2)
