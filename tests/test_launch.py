@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -180,3 +181,31 @@ def test_the_multiworker_recipe_runs_under_kmp_launch():
     numbers = {line.split(": ", 1)[1].rsplit("|", 1)[0] for line in finals}
     assert len(numbers) == 1, finals
     assert "CollectiveAllReduceStrategy, 2 replicas" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_causal_lm_recipe_runs_under_kmp_launch(tmp_path):
+    """recipes/causal_lm.py on two real workers, each reading tensorflow-datasets' mock imdb_reviews."""
+    worker = _script(tmp_path, f"""
+        import runpy, sys
+        import tensorflow_datasets as tfds
+
+        sys.argv[0] = {str(ROOT / "recipes" / "causal_lm.py")!r}
+        with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    """)
+    done = subprocess.run([sys.executable, "-m", "kmp.cli", "launch", "--workers", "2", "--timeout", "300",
+                           str(worker), "--steps", "2", "--batch-size", "4", "--length", "32"],
+                          env=_environ(), cwd=ROOT, capture_output=True, text=True, timeout=360)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for task in (0, 1):
+        assert f"[worker {task}] CollectiveAllReduceStrategy, 2 replicas | tiny GPT-2" in out, out
+        assert (f"[worker {task}] transformers__tests__deepspeed__ds_config_zero2.json: fp16, batch 8 = "
+                "micro-batch 4 x 1 x 2 replicas") in out, out
+    finals = [line.split("] ", 1)[1] for line in out.splitlines() if "test loss" in line]
+    assert len(finals) == 2
+    numbers = {line.rsplit("|", 1)[0] for line in finals}  # the same weights on both workers: all but the time
+    assert len(numbers) == 1, finals
+    loss = float(finals[0].split("test loss ", 1)[1].split(" ", 1)[0])
+    assert math.isfinite(loss) and "optimizer steps 2" in finals[0]
