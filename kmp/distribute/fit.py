@@ -311,7 +311,7 @@ def _falling_back(model, step_function):
                 if path is None:
                     raise
                 _drop(model, path, error)
-                function = _build_function(model, step_function)
+                function = call.__wrapped__ = _build_function(model, step_function)
                 continue
             ran = True
             return result
