@@ -120,8 +120,8 @@ def _application(name):
 class OwnStep(keras.Model):
     """A keras-io-style model: its own train_step (a loss tracker, the optimizer applied by hand)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.body = keras.Sequential([keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
                                       keras.layers.Dense(10)])
         self.tracker = keras.metrics.Mean(name="loss")
@@ -153,8 +153,8 @@ class GAN(keras.Model):
 
     latent = 8
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.generator = keras.Sequential([keras.Input((self.latent,)), keras.layers.Dense(8 * 8 * 4),
                                            keras.layers.Reshape((8, 8, 4)),
                                            keras.layers.Conv2DTranspose(3, 4, strides=4, padding="same")])
