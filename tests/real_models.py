@@ -132,7 +132,7 @@ class OwnStep(keras.Model):
     def train_step(self, data):
         import tensorflow as tf
 
-        x, y = data
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             logits = keras.ops.cast(self(x, training=True), "float32")
             loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
