@@ -66,11 +66,15 @@ def two_replicas():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The real-model matrix (tests/test_real_models.py): each case's path and losses, in every run's output."""
-    import sys
+    """The real-model matrix (tests/test_real_models.py): each case's path and losses, in every run's output.
 
-    rows = getattr(sys.modules.get("real_models"), "REPORT", [])
+    Recorded as a user property, which reaches this process from xdist's workers.
+    """
+    from real_models import PATH_TAKEN
+
+    rows = [value for reports in terminalreporter.stats.values() for report in reports
+            for key, value in getattr(report, "user_properties", ()) if key == PATH_TAKEN]
     if rows:
         terminalreporter.section("real models: the path kmp took")
-        for row in rows:
+        for row in sorted(set(rows)):
             terminalreporter.line(row)

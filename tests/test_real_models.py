@@ -132,16 +132,17 @@ def _kmp_model(case, axis, path, strategy):
     return kmp.prepare(model, flat_buffers=path == "flat")
 
 
-@pytest.mark.parametrize("name, axis_name, path", MATRIX, ids=["-".join(c).replace(" ", "_") for c in MATRIX])
-def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, two_replicas, tmp_path):
+@pytest.mark.parametrize("name, axis_name, path", [
+    pytest.param(*c, id="-".join(c).replace(" ", "_"), marks=pytest.mark.xdist_group(c[0])) for c in MATRIX])
+def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, two_replicas, tmp_path, record_property):
     if not _FULL and (name, axis_name, path) not in _VERIFIED:
         pytest.skip("not yet green in the whole suite: runs with KMP_FULL_MATRIX=1")
     case, axis = CASES[name], AXES[axis_name]
     strategy = two_replicas if axis.replicas == 2 else tf.distribute.get_strategy()
     model = _kmp_model(case, axis, path, strategy)
     losses = real_models.fit_steps(case, model, STEPS, BATCH)
-    real_models.REPORT.append(f"{name} / {axis_name} / {path} asked: {replica_step.describe_path(model)}; "
-                              f"losses {np.round(losses, 4).tolist()}")
+    record_property(real_models.PATH_TAKEN, f"{name} / {axis_name} / {path} asked: "
+                                            f"{replica_step.describe_path(model)}; losses {np.round(losses, 4).tolist()}")
     assert np.all(np.isfinite(losses)), losses
     reference, skipped = _reference(case, axis)
     np.testing.assert_allclose(losses, reference, rtol=_LOOSER.get((name, axis.policy), axis.rtol))
@@ -191,7 +192,7 @@ def _is_hub_task(model) -> bool:
 MULTI_WORKER = [("gpt2", "mixed_float16", "flat"), ("mobilenetv3small", "mixed_bfloat16", "per-variable")]
 
 
-def test_real_models_train_on_two_workers(tmp_path):
+def test_real_models_train_on_two_workers(tmp_path, record_property):
     if not _FULL:
         pytest.skip("not yet run green in the whole suite: runs with KMP_FULL_MATRIX=1")
     import json
@@ -214,8 +215,8 @@ def test_real_models_train_on_two_workers(tmp_path):
     results = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
     for (name, policy, path), spec in zip(MULTI_WORKER, specs):
         first, second = results[0][spec], results[1][spec]
-        real_models.REPORT.append(f"{name} / two workers, {policy} / {path} asked: {first['path']}; "
-                                  f"losses {np.round(first['losses'], 4).tolist()}")
+        record_property(real_models.PATH_TAKEN, f"{name} / two workers, {policy} / {path} asked: {first['path']}; "
+                                                f"losses {np.round(first['losses'], 4).tolist()}")
         assert first["replicas"] == 2
         np.testing.assert_allclose(first["losses"], second["losses"], rtol=1e-6)  # one loss, every worker
         axis = Axis(policy, 2, rtol=3e-2 if policy == "mixed_bfloat16" else 1e-2)
