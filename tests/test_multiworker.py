@@ -22,7 +22,8 @@ import tensorflow as tf
 import kmp
 from kmp.launch import LocalJob
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the module: its fixtures (two worker processes, references) are computed once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiworker")]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _WORKER = Path(__file__).resolve().parent / "multiworker_worker.py"

@@ -46,7 +46,9 @@ from kmp.backup import BackupAndRestore, BackupError, read_backup
 # test restarts a single worker into a running job (kmp.launch.LocalJob starts and stops them all).
 from kmp.launch import free_ports, tf_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:precision .mixed_float16. on CPU:UserWarning")]
+# One xdist worker runs the module: its fixtures (killed and reference jobs) are computed once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("worker_failure"),
+              pytest.mark.filterwarnings("ignore:precision .mixed_float16. on CPU:UserWarning")]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _WORKER = Path(__file__).resolve().parent / "failure_worker.py"
