@@ -78,9 +78,8 @@ STATE = "buffers' state newer"  # the weights stored, not the sharded state (sev
 
 # Where the flat weights are split into the variables' values: in the XLA
 # forward/backward (no copy), or before it, for models of more variables than
-# this. XLA's compile time grows with the slices of one input: 1004 variables
-# (benchmarks/p5_small_variables.py) compiled in 38 s sliced inside, 18 s given
-# as 1004 inputs, at the same ms per step; but TensorFlow's split copies the
+# this. XLA's compile time grows with the slices of one input (twice as long
+# for P5's 1004 variables, benchmarks/p5_small_variables.py); but TensorFlow's split copies the
 # weights (4 bytes per parameter per step), which models of few large
 # variables would pay for nothing.
 SPLIT_IN_XLA_UP_TO = 256

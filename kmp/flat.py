@@ -9,8 +9,8 @@
 
 Why: TensorFlow's cost per resource variable (every op and every XLA launch
 that touches one) dominates the update of many small variables: Adam on
-2000 x 1K parameters ran at 3-4% of a flat copy whether Keras's or kmp's
-per-variable fused update (issue 12's table). Three variables (weights and
+2000 x 1K parameters runs far below a flat copy's speed, Keras's update or
+kmp's per-variable one (benchmarks/p3_fit_path.py). Three variables (weights and
 Adam's two moments) instead of 6000 take that cost away; what is left is
 the bytes.
 
@@ -140,8 +140,7 @@ class FlatBuffers:
         self.spans = [-(-n // self.block) * self.block for n in self.sizes]
         # The last span padded too, so that the buffers and their shards are whole units:
         # XLA:CPU vectorizes the update's loop (it reads the learning rate at run time) only
-        # over a multiple of 8 elements. Adam on the P1 MLP's 2,631,937 parameters took
-        # 3.6-3.9 ms, 2.1 ms so padded (benchmarks/p7_update_scalars.py); the P1 step 0.91x.
+        # over a multiple of 8 elements (benchmarks/p7_update_scalars.py measures it).
         self.unit = math.lcm(self.block, ALIGN)
         self.spans[-1] += -sum(self.spans) % self.unit
         self.size = sum(self.spans)
@@ -167,18 +166,15 @@ class FlatBuffers:
         # shard of the weights and slots, steps it in place, and every replica's forward pass
         # reads all the weight shards (read_weights): no unused copies on the other replicas,
         # and stage 0 and stage 1 take the same step. One update of whole buffers on the first
-        # replica's (update_once): this step took 0.93-0.95x its time before the buffers were
-        # padded, and it takes 0.91-0.96x this step's since (the P1 MLP, two logical CPUs), but
-        # stage 1 cannot step that way (one XLA computation cannot touch both devices' shards):
-        # docs/distributed.md, "What limits P1".
+        # replica's (update_once) can be a little faster, but stage 1 cannot step that way (one
+        # XLA computation cannot touch both devices' shards).
         one_process = self.replicas > 1 and cpus_of_one_process(self.strategy)
         self.sharded = self.zero or (one_process and not getattr(self.rule, "per_variable", False))
         # Shards of whole units: vectorized updates, and no block of 8-bit states split between replicas.
         self.shard = -(-self.size // (self.replicas * self.unit)) * self.unit if self.sharded else self.size
         # The flat gradient (and the accumulation sums) padded with zeros to N whole shards, in
         # the backward pass's XLA concatenate where it costs nothing: each replica's shard of it
-        # is then a slice. Padding the last replica's shard in its update instead cost the
-        # sharded step about 10% on two logical CPUs (1.14x the one update's against 0.93x, an A/B).
+        # is then a slice. Padding the last replica's shard in its update instead copies it every step.
         self.length = self.replicas * self.shard if self.sharded else self.size
         # Other workers hold some shards: gathering them is a collective (kmp.zero).
         self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
@@ -279,15 +275,10 @@ class FlatBuffers:
         XLA:CPU keeps a concatenate of many operands apart from the per-variable
         conversions and the division, so the gradient is written three times;
         a dynamic-update-slice takes its operand's conversion and division into
-        its own loop, in place. The P1 MLP's step under MirroredStrategy on two
-        logical CPUs: 1.08-1.18x one device's, against 1.14-1.25x (A/B,
-        alternating processes). That loop runs on one thread, where the
-        division's runs on all of them: on ONE device, whose computation has
-        every core, it was slower (the MLP 19.3 against 17.0 ms, 200 x 100K
-        61.8 against 54.4), so only replicas sharing the cores take it. Each
-        in-place write costs about 10 us, so small variables are joined
-        first: with all 1004 of P5 written in place its step took 28.0 ms
-        instead of 17.5, and its first call 43 s instead of 32.
+        its own loop, in place. That loop runs on one thread, where the
+        division's runs on all of them, so only replicas sharing the cores
+        take it (on one device it is slower). Each in-place write has a fixed
+        cost, so runs of small variables are joined first.
         """
         flat = tf.zeros([self.length], tf.float32)
         run, run_start, start = [], 0, 0
@@ -347,9 +338,8 @@ class FlatBuffers:
 
         The caller checks the gradient and skips this when it is not finite.
         Moving the check inside, as a select of the old or new weights and
-        slots (or an XLA conditional), measured 1.7-2x slower on 20M
-        parameters (benchmarks/p3_fit_path.py's layouts): XLA then copies
-        every buffer instead of updating it in place.
+        slots (or an XLA conditional), is slower: XLA then copies every
+        buffer instead of updating it in place.
         """
         self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
 
@@ -358,10 +348,8 @@ class FlatBuffers:
         buffers, if `finite` (replica context). Every replica reads the first's weights
         (`local`), as memory this process shares; the others' weight and slot buffers are unused.
 
-        Each replica updating its own copy, as on GPUs, made the two updates
-        contend for the same cores and memory: on two logical CPUs (the P1
-        MLP) the step took 28.2 ms with both, 21.3 ms with the first
-        replica's alone.
+        Each replica updating its own copy, as on GPUs, makes the updates
+        contend for the same cores and memory.
         """
         tf.distribute.get_replica_context().merge_call(
             self._update_first, args=(finite, grad, clip_scale, learning_rate))
@@ -526,10 +514,9 @@ class FlatBuffers:
 
     def _copy(self, direction: str, names: tuple) -> None:
         # Component by component, each on its own device. Eagerly at first: a
-        # traced graph of these thousands of ops took 7-14 s to optimize on its
-        # first call, later calls 0.05 s, eager calls 0.3 s (1004 variables,
-        # benchmarks/p5_small_variables.py). A copy made that often (a callback
-        # kmp does not know, each batch) pays for the graph after ~50 calls.
+        # traced graph of thousands of ops takes seconds to optimize on its first
+        # call; a copy made often (a callback kmp does not know, each batch) pays
+        # for the graph after about EAGER_COPIES calls.
         calls = self._calls[direction] = self._calls.get(direction, 0) + 1
         copy = self._load_component if direction == "load" else self._store_component
         if calls > EAGER_COPIES:

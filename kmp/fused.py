@@ -23,22 +23,18 @@ step; with FMA unavailable (XLA_FLAGS=--xla_cpu_max_isa=AVX) they are bit
 for bit identical, except the norm clippings, whose sums XLA adds in another
 order (tests/test_fused.py checks both).
 
-Layout, measured on a 2-core CPU (benchmarks/p3_fused_bandwidth.py):
+Layout (benchmarks/p3_fused_bandwidth.py measures it):
 
-- Per-variable element-wise loops, not flat buffers. Concatenating into flat
-  buffers and splitting back is 2.4x slower on 200 x 100K parameters (extra
-  passes, and the in-place update of each variable is lost) and no faster on
-  2000 x 1K.
-- At most GROUP_SIZE variables per computation. TensorFlow's XLA launch
+- Per-variable element-wise loops, not flat buffers: concatenating into flat
+  buffers and splitting back here costs extra passes and loses each
+  variable's in-place update (kmp.flat keeps the buffers flat instead).
+- At most GROUP_SIZE variables per computation: TensorFlow's XLA launch
   looks every input up in the output-alias table, so its cost per variable
-  grows with the number of variables in one launch. Adam on 2000 x 1K
-  parameters took 68 ms as groups of 128, 69 as 256, 80 as 512 and 132 as
-  one computation; on 200 x 100K, 21.9 ms as two groups (128 + 72) and 20.6
-  as one. 256 keeps most models (up to 256 variables) in one computation.
-- What is left is TensorFlow's cost per resource variable (a few
-  microseconds each, ~25-35 us per Adam variable here, the order of Keras's
-  own per-op dispatch) plus the bytes: near the memory bandwidth for large
-  variables, far from it for many small ones.
+  grows with the number of variables in one launch. 256 keeps most models
+  in one computation.
+- What is left is TensorFlow's cost per resource variable plus the bytes:
+  near the memory bandwidth for large variables, far from it for many
+  small ones.
 
 Replicas: under a MirroredStrategy each replica calls this in replica
 context, and the compiled step captures that replica's own component of

@@ -58,9 +58,8 @@ def all_finite(flat):
     A finite sum means every element is finite: an inf or a nan carries
     through any order of addition. Only a sum that overflowed from finite
     elements needs the exact check, which then runs instead. TensorFlow's
-    sum is one multi-threaded read: on 20M floats (2 cores) 2.4 ms, against
-    6.3 for reduce_all(is_finite) and 5.7 for the sum in XLA; on 2M, 0.49
-    against 0.67 (0.16 of each the call itself).
+    sum is one multi-threaded read, faster than reduce_all(is_finite) and
+    than the sum in XLA (which XLA:CPU reduces on one thread).
     """
     return tf.cond(tf.math.is_finite(tf.reduce_sum(flat)), lambda: tf.constant(True),
                    lambda: tf.reduce_all(tf.math.is_finite(flat)))

@@ -305,11 +305,10 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
 def _culprit_when_run(model, table, x):
     """culprit() of this replica's batch as a [2] int32 tensor, computed eagerly when the graph runs it.
 
-    A tf.py_function: tracing the re-run forward pass into the step doubled
-    a large model's first fit() (1004 variables: +43 s of tracing and graph
-    optimization, benchmarks/p5_small_variables.py) for a branch that runs
-    only on an overflow. Eagerly it costs a forward pass then, and nothing
-    before. An overflowing step updated no weight, so the weights read here
+    A tf.py_function: tracing the re-run forward pass into the step about
+    doubles a large model's first fit() (benchmarks/p5_small_variables.py)
+    for a branch that runs only on an overflow. Eagerly it costs a forward
+    pass then, and nothing before. An overflowing step updated no weight, so the weights read here
     are the ones the step saw, whenever this runs within the step.
     """
     spec = x

@@ -112,9 +112,8 @@ def timed_step(step_function):
         try:
             stamp("start", data)
             stamps = _local.recording["stamps"]
-            # No control dependency of the step on `start`: with one, and a stamp after the
-            # forward/backward, a step under MirroredStrategy took 1.28x as long (benchmarks/
-            # wall_clock_overhead.py); without, 1.02x. `start` waits for the batch only.
+            # No control dependency of the step on `start`: any stamp waiting on the replicas'
+            # XLA outputs slows the step (benchmarks/wall_clock_overhead.py). `start` waits for the batch only.
             outputs = step_function(data)
         finally:
             _local.recording = None

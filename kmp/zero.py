@@ -23,18 +23,13 @@ After each replica has updated its shard of the flat weights (kmp.flat,
 `update_shard`), every replica's whole weights must hold every new shard.
 Under MirroredStrategy all replicas live in this process, and TensorFlow's
 `ReplicaContext.all_gather` there all-reduces zero-padded copies (N times
-the bytes): stage 1 took 1.50-1.54x the step of stage 0 with it. So here the
-shards are concatenated once and each device's weights assigned: 1.07-1.09x
-(benchmarks/p6_zero_stage1.py). Concatenating on each device (1.22-1.25x)
-and assigning slice by slice in place (1.15-1.18x) measured slower. Where
+the bytes), so here the shards are concatenated once and each device's
+weights assigned (benchmarks/p6_zero_stage1.py compares the stages). Where
 those devices are CPUs (one memory) nothing is gathered at all: each replica
 holds its shard of the weights and the forward passes read every shard
-(kmp.flat, `weight_shards`): 0.97-1.04x stage 0's step, against 1.17x with
-the gather the same day, and 0.93-0.95x once each replica's shard of the
-gradient was a slice (kmp.flat, `length`); stage 0 there now steps the same
-shards. Under MultiWorkerMirroredStrategy the other workers'
-shards are elsewhere: `all_gather` is there a collective all-gather of the
-equal shards.
+(kmp.flat, `weight_shards`). Under MultiWorkerMirroredStrategy the other
+workers' shards are elsewhere: `all_gather` is there a collective all-gather
+of the equal shards.
 
 Storing the state under several workers is a collective too (each worker
 holds its replicas' shards only): kmp.engine gathers it where every worker
@@ -48,9 +43,7 @@ The gradient is reduce-scattered (kmp.distribute.scatter): each replica
 receives the sum of its shard only, and checks and clips from a few numbers
 per shard that every replica shares. Between workers that is TensorFlow's
 all-to-all collective, half the bytes of the all-reduce; on replicas of one
-process, each shard is summed on its owner's device. (Written that way
-before the weight shards, with the gathers above, it measured 1.12-1.22x
-stage 0's step; what it measures now is in docs/zero.md.)
+process, each shard is summed on its owner's device.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ Why flat buckets: they make the bucket size the user's (DeepSpeed's
 allreduce bucket; TensorFlow's collectives pack the same way under
 MultiWorkerMirroredStrategy), they give every communication dtype one cast
 per bucket, and they keep the count of collectives per step at the number
-of buckets. Measured under MirroredStrategy on two logical CPUs (the P1
-MLP), one flat bucket took the same time as TensorFlow's own list all-reduce
-(25.0 vs 25.0 ms for forward/backward plus reduce): no speed claim here.
+of buckets. They are not faster than TensorFlow's own list all-reduce on
+two logical CPUs: no speed claim here.
 
 The factors, as DeepSpeed defines them for its `communication_data_type`,
 `prescale_gradients` and `gradient_predivide_factor`:
@@ -78,9 +77,8 @@ def _sum(ctx, buffer, options):
     Replicas that are CPUs of one process share its memory: the sum is one
     add_n on the first replica's device, which the others read. TensorFlow's
     all-reduce for them (ReductionToOneDevice) adds the same way but copies
-    the sum back to every device and wraps it for gradients; measured on the
-    P1 MLP's 2.6M-element bucket, two logical CPUs: 8.5-9.5 ms for it, 0.5-3.5
-    ms for add_n. Elsewhere (GPUs, several workers) TensorFlow's collective.
+    the sum back to every device and wraps it for gradients, several times
+    slower. Elsewhere (GPUs, several workers) TensorFlow's collective.
     """
     if not cpus_of_one_process(ctx.strategy):
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, buffer, options)

@@ -188,8 +188,7 @@ def _build_from_local_batch(self, iterator=None, data_batch=None):
     # Keras's method skips its reduce when handed a batch instead of an
     # iterator; hand it one replica's share of the first batch. Only when
     # something is still unbuilt: Keras reads the batch then only, and drawing
-    # it costs every later fit() and evaluate() a new distributed iterator
-    # (95 ms on two logical CPUs, the P1 MLP: a ninth of a 20-step fit()).
+    # it costs every later fit() and evaluate() a new distributed iterator.
     if iterator is not None and self._distribute_strategy is not None:
         if _unbuilt(self):
             for _, _, batches in iterator:
@@ -463,14 +462,9 @@ def _no_engine(model, reason: str | None) -> None:
     return None
 
 
-# "auto" keeps the per-variable path for models of large variables. Measured
-# through fit() on this 2-core CPU (benchmarks/p3_fit_path.py, Adam,
-# 2026-11-24): 200 variables of 100,000 parameters took 48.7 ms per step per
-# variable and 57.9 with the buffers (the gradient's concatenation and the
-# weights' slices cost more passes over memory than 200 variables cost in
-# overhead); 2000 variables of 1,000 took 72.6 and 9.9 ms; the P1 MLP (80
-# variables, ~33,000 on average) under MirroredStrategy 31.5 and 29.2
-# (benchmarks/p1_p2_step_time.py).
+# "auto" keeps the per-variable path for models of large variables: there the
+# gradient's concatenation and the weights' slices cost more passes over memory
+# than the variables cost in overhead (benchmarks/p3_fit_path.py measures both).
 AUTO_MEAN_PARAMETERS = 65_536
 
 

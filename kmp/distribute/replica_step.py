@@ -21,10 +21,8 @@ located in device CPU:1 from device CPU:0"). A prepared model's train step
 variables are read from the values passed in and writes are returned, so
 nothing inside XLA touches a distributed variable or calls merge_call. It is
 traced once per replica (keyed like kmp.fused), so anything read that is not
-passed in is still this replica's own copy.
-
-Measured on two logical CPUs (benchmarks/p1_p2_step_time.py, p1_parts.py):
-see docs/distributed.md.
+passed in is still this replica's own copy. benchmarks/p1_p2_step_time.py
+and p1_parts.py measure the step.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ How the shards are summed, by where the replicas are:
 - Several workers (MultiWorkerMirroredStrategy): TensorFlow's all-to-all
   collective sends slice i of every replica's gradient to replica i, which
   adds the N slices it receives. Each worker sends and receives (N-1)/N of
-  the gradient: half the bytes of the ring all-reduce (docs/zero.md has
-  the times). tf.distribute offers no reduce-scatter, and TensorFlow's own
+  the gradient: half the bytes of the ring all-reduce. tf.distribute offers no reduce-scatter, and TensorFlow's own
   collective for it (CollectiveReduceScatterV2) did not complete between
   two logical CPUs when tried.
 - Elsewhere (GPUs of one process; not testable on this project's machines):
