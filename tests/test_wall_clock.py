@@ -89,9 +89,10 @@ def test_the_input_wait_lands_in_data_wait_and_the_step_in_fwd_bwd(capsys):
     *_, (_, _, last) = _lines(capsys.readouterr().out)
     # Not the whole 30 ms: on a slow or loaded machine tf.data's prefetch can still hold a batch made
     # during the first steps' compile, and fit()'s own loop ("other") grows (measured once: data_wait
-    # 23.6 of a 32.6 ms step, fwd_bwd 0.4, loss_scale 0.2). The wait must land in data_wait, not the step.
+    # 23.6 of a 32.6 ms step, fwd_bwd 0.4, loss_scale 0.2; on a machine busy with other processes, 26.3
+    # of 45.8). The wait must land in data_wait, not the step.
     in_step = last["fwd_bwd"] + last["allreduce"] + last["loss_scale"] + last["step"]
-    assert last["data_wait"] > 20 and last["data_wait"] > 0.6 * last["total"] and last["data_wait"] > 5 * in_step, last
+    assert last["data_wait"] > 20 and last["data_wait"] > 5 * in_step, last
     assert last["fwd_bwd"] < 10 and last["step"] < 10, last
 
 
