@@ -26,7 +26,7 @@ many skips would be timed short. Rows:
     kmp+xla      the same with kmp.prepare(model, jit_compile=True): Keras's
                  whole-step XLA around kmp's optimizer
     kmp flat     kmp.prepare(model, flat_buffers=True): the flat-buffer engine
-                 (kmp.engine): the forward/backward in one XLA computation on
+                 (kmp.engine.engine): the forward/backward in one XLA computation on
                  the flat float32 weights, one flat gradient, one overflow
                  check, one XLA update of the flat weights and Adam's moments
 
@@ -105,7 +105,7 @@ def _build(name, layout, blocks, steps):
     start = time.perf_counter()
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
     first = time.perf_counter() - start
-    engine = kmp.engine.engine_of(model)
+    engine = kmp.engine.engine.engine_of(model)
     if name == "kmp flat" and engine is None:
         raise RuntimeError("kmp flat: kmp.prepare(flat_buffers=True) built no flat-buffer engine")
 

@@ -1,4 +1,4 @@
-"""kmp.config: defaults, one problem per invalid field, validation on construction, numpy scalars, float32/int64 ranges."""
+"""kmp.config.settings: defaults, one problem per invalid field, validation on construction, numpy scalars, float32/int64 ranges."""
 
 import ast
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.config import Communication, Config, LossScaleConfig
+from kmp.config.settings import Communication, Config, LossScaleConfig
 from kmp.errors import ConfigError
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.config import LossScaleConfig
-from kmp.loss_scale import adjust, floor_message, initial_state, run
-from kmp.gradients import typed_where
+from kmp.config.settings import LossScaleConfig
+from kmp.scaling.state import adjust, floor_message, initial_state, run
+from kmp.scaling.gradients import typed_where
 
 C, O = True, False
 
