@@ -40,7 +40,7 @@ rows have more samples (all phases).
     kmp+xla       the same, compile(jit_compile=True): Keras's whole-step XLA
                   around kmp's optimizer
     kmp flat      the kmp row with kmp.prepare(model, flat_buffers=True): the
-                  flat-buffer engine (kmp.engine.engine): one XLA forward/backward on
+                  flat-buffer engine (kmp.engine): one XLA forward/backward on
                   the flat weights, one flat gradient, one XLA update of the
                   flat weights and Adam's flat moments
     kmp flat update

@@ -26,7 +26,7 @@ many skips would be timed short. Rows:
     kmp+xla      the same with kmp.prepare(model, jit_compile=True): Keras's
                  whole-step XLA around kmp's optimizer
     kmp flat     kmp.prepare(model, flat_buffers=True): the flat-buffer engine
-                 (kmp.engine.engine): the forward/backward in one XLA computation on
+                 (kmp.engine): the forward/backward in one XLA computation on
                  the flat float32 weights, one flat gradient, one overflow
                  check, one XLA update of the flat weights and Adam's moments
 

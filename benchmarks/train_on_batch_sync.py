@@ -1,7 +1,7 @@
 """What keeping the Keras variables current costs on the flat engine, on P1.
 
 fit() and train_on_batch() load the flat buffers from the Keras variables
-when they start and store them when they end (kmp.engine.engine). A fit() pays that
+when they start and store them when they end (kmp.engine). A fit() pays that
 once per call; a train_on_batch loop once per step. Side by side in one
 process, in interleaved rounds (the issues' 40 x Dense(256) MLP, batch 64,
 MirroredStrategy on two logical CPUs):

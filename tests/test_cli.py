@@ -365,7 +365,7 @@ def test_demo_trains():
                   if line not in said)
     assert float(values["test accuracy"]) > 0.5  # one epoch; 10 classes: chance is 0.1
     assert float(values["loss scale"]) != 2.0**16  # 45 steps with a window of 25: the scale has moved
-    assert values["update"] == "flat buffers (kmp.engine.engine)"  # the demo runs kmp.prepare's engine
+    assert values["update"] == "flat buffers (kmp.engine)"  # the demo runs kmp.prepare's engine
 
 
 def test_the_demo_in_float32_warns_about_nothing(recwarn, capsys):

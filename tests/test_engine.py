@@ -1,4 +1,4 @@
-"""The flat-buffer engine (kmp.engine.buffers, kmp.engine.engine): the same training as the
+"""The flat-buffer engine (kmp.engine): the same training as the
 per-variable path, and the Keras variables current wherever they are observed.
 
 Each test trains the same model twice from the same seed, with

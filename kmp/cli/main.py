@@ -128,7 +128,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"skipped steps  {int(skipped.numpy())} of {int(skipped.numpy()) + int(optimizer.iterations.numpy())}")
     else:
         print(f"loss scale     none ({chosen.compute_dtype} needs no loss scaling)")
-    engine = "flat buffers (kmp.engine.engine)" if kmp.engine.engine.engine_of(model) is not None else "per variable"
+    engine = "flat buffers (kmp.engine)" if kmp.engine.engine.engine_of(model) is not None else "per variable"
     print(f"update         {engine}")
     print(f"train time     {seconds:.1f} s for {args.epochs} epochs")
     if args.plot:

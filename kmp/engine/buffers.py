@@ -30,7 +30,7 @@ masters) in Keras's `model.trainable_variables` order, except that the ones
 the optimizer decays come first, so weight decay is `index < decayed`. Each
 buffer is a variable of the model's strategy (mirrored: each replica owns a
 component) that Keras does not track: checkpoints and `.keras` files hold the
-Keras variables only, in Keras's format (kmp.engine.engine copies the buffers into
+Keras variables only, in Keras's format (kmp.engine copies the buffers into
 them before anything can observe them).
 
 The update is Keras's `update_step`, op for op: for SGD (momentum,

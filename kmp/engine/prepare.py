@@ -65,12 +65,12 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     not built before the first step is built at its start from the batch's
     shapes, as Keras does under a strategy. False: the step is left as it is.
 
-    `flat_buffers` (kmp.engine.engine): "auto" or True trains the float32 master
+    `flat_buffers` (kmp.engine): "auto" or True trains the float32 master
     weights, the optimizer's slots and the accumulation sums as a few flat
     buffers (kmp.engine.buffers), on any number of replicas: one all-reduce, one
     overflow check and one XLA update per step, whatever the number of
     variables. The Keras variables are kept current wherever they can be
-    observed (kmp.engine.engine lists where); for that the model's evaluate,
+    observed (kmp.engine lists where); for that the model's evaluate,
     predict, save, save_weights, get_weights, set_weights, load_weights and
     fit are wrapped on this instance. "auto" falls back to the per-variable
     path, with a one-line note, where the buffers do not apply (an optimizer

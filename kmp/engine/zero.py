@@ -32,7 +32,7 @@ workers' shards are elsewhere: `all_gather` is there a collective all-gather
 of the equal shards.
 
 Storing the state under several workers is a collective too (each worker
-holds its replicas' shards only): kmp.engine.engine gathers it where every worker
+holds its replicas' shards only): kmp.engine gathers it where every worker
 is at the same point (fit()'s epoch ends and end, callbacks' hooks, and the
 model's save, save_weights, set_weights and load_weights, which
 TensorFlow's multi-worker rule has every worker call), and stores the

@@ -60,6 +60,8 @@ from kmp.scaling.gradients import (all_finite, clip_scale, finite_flags, global_
                            typed_where, unscale)
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
+# The loss-scale keywords' defaults: LossScaleConfig's, written once there.
+_DEFAULTS = LossScaleConfig()
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -102,17 +104,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer,
-        initial_scale=2.0**15,
-        dynamic_growth_steps=2000,
-        hysteresis=1,
-        consecutive_hysteresis=False,
-        min_scale=1.0,
-        max_scale=2.0**24,
-        raise_at_min_scale=True,
-        growth_rule="every_window",
-        static_scale=None,
-        growth_factor=2.0,
-        backoff_factor=0.5,
+        initial_scale=_DEFAULTS.initial_scale,
+        dynamic_growth_steps=_DEFAULTS.dynamic_growth_steps,
+        hysteresis=_DEFAULTS.hysteresis,
+        consecutive_hysteresis=_DEFAULTS.consecutive_hysteresis,
+        min_scale=_DEFAULTS.min_scale,
+        max_scale=_DEFAULTS.max_scale,
+        raise_at_min_scale=_DEFAULTS.raise_at_min_scale,
+        growth_rule=_DEFAULTS.growth_rule,
+        static_scale=_DEFAULTS.static_scale,
+        growth_factor=_DEFAULTS.growth_factor,
+        backoff_factor=_DEFAULTS.backoff_factor,
         log_overflows=True,
         gradient_accumulation_steps=None,
         fused=True,
@@ -290,7 +292,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def apply_flat(self, grad, buffers) -> None:
         """One (micro-)step on flat buffers (kmp.engine.buffers): `grad` is this replica's
-        gradient of the flat weights, already unscaled in float32 (kmp.engine.engine
+        gradient of the flat weights, already unscaled in float32 (kmp.engine
         divides inside its XLA computation, saving a pass over memory). The
         same contract as `apply`: one all-reduce (in buckets), one overflow
         check, clipping by the global norm after the reduce, the update in one
