@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp import callbacks as kmp_callbacks
+from kmp.callbacks import monitor as kmp_callbacks
 from kmp.scaling import state as loss_scale
 from kmp.callbacks import LossScaleMonitor
 from kmp.scaling.state import WindowState, steps_clear_of_floor, stuck_in_window

@@ -93,8 +93,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmp import seams, values
-from kmp.engine import engine
-from kmp.engine import replica_state
+from kmp.engine import engine, replica_state
 from kmp.errors import KmpError, Problem, check
 
 __all__ = ["BackupAndRestore", "BackupError", "read_backup"]

@@ -12,10 +12,10 @@ import io
 import warnings
 from typing import Any
 
-from kmp.config import optimizer_block as optimizers
-from kmp.schedules import formulas as schedules
+from kmp.config import optimizer_block
 from kmp.config.deepspeed import load_config, resolve_batch_sizes
 from kmp.errors import ConfigError
+from kmp.schedules import formulas
 
 _POLICIES = {"fp32": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 
@@ -80,7 +80,7 @@ def _loss_scaling(config) -> str:
 def _optimizer(config) -> list[tuple[str, str]]:
     if config.optimizer is None:
         return [("optimizer", "none in the file: pass one to kmp.wrap")]
-    name, args, notes = optimizers.keras_arguments(config.optimizer)
+    name, args, notes = optimizer_block.keras_arguments(config.optimizer)
     shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in args.items() if v is not None)
     rows = [("optimizer", f"{config.optimizer.type} -> keras.optimizers.{name}({shown})")]
     rows += [("", f"differs: {note}") for note in notes]
@@ -94,7 +94,7 @@ def _schedule(config) -> list[tuple[str, str]]:
     base = spec.params["lr"] if spec is not None else None
     betas = spec.params.get("betas") if spec is not None else None
     try:
-        schedule = schedules.parse_scheduler(config.scheduler, base_lr=base,
+        schedule = formulas.parse_scheduler(config.scheduler, base_lr=base,
                                              base_momentum=betas[0] if betas else None)
     except ConfigError as error:
         return [("schedule", f"{config.scheduler['type']}: needs {error.problems[0].fix}")]

@@ -38,11 +38,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp.config import auto
-from kmp.config import optimizer_block as optimizers
-from kmp.schedules import formulas as schedules
+from kmp.config import auto, optimizer_block
 from kmp.config.settings import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
+from kmp.schedules import formulas
 from kmp.values import FLOAT32_MAX, INT64_MAX, int_in, is_int, is_number, key_name, plain
 
 # The spec's Defaults table, right column (DeepSpeed's FP16 constants, plus the
@@ -387,7 +386,7 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
         scale["max_scale"] = scale["initial_scale"]
     notes: list[str] = []
     if "optimizer" in raw:
-        top["optimizer"], more, optimizer_notes = optimizers.parse_optimizer(raw["optimizer"])
+        top["optimizer"], more, optimizer_notes = optimizer_block.parse_optimizer(raw["optimizer"])
         problems += more
         notes += optimizer_notes
     if "scheduler" in raw:
@@ -466,7 +465,7 @@ def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     return stage, notes, problems
 
 
-def _scheduler(block: Any, optimizer: optimizers.OptimizerSpec | None) -> tuple[Any, list[Problem]]:
+def _scheduler(block: Any, optimizer: optimizer_block.OptimizerSpec | None) -> tuple[Any, list[Problem]]:
     """The checked `scheduler` block, as a dict; kmp.wrap builds it against the optimizer it uses.
 
     What the schedule reads from the optimizer (its lr, beta_1) is checked
@@ -475,7 +474,7 @@ def _scheduler(block: Any, optimizer: optimizers.OptimizerSpec | None) -> tuple[
     """
     lr = optimizer.params["lr"] if optimizer is not None else 1.0
     betas = optimizer.params.get("betas") if optimizer is not None else None
-    schedule, problems = attempt(lambda: schedules.parse_scheduler(
+    schedule, problems = attempt(lambda: formulas.parse_scheduler(
         block, base_lr=lr, base_momentum=betas[0] if betas else 0.9), None)
     return (None if schedule is None else schedule.block()), problems
 

@@ -37,8 +37,8 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from kmp.config.settings import Config
 from kmp.config.deepspeed import load_config, resolve_batch_sizes
+from kmp.config.settings import Config
 from kmp.errors import Problem, check
 
 AUTOTUNE = tf.data.AUTOTUNE

@@ -18,14 +18,8 @@ import importlib
 
 from kmp.distribute.communication import all_reduce_sum
 from kmp.distribute.strategy import STRATEGIES, resolve_strategy, strategy_from_config
-from kmp.distribute.tpu import (
-    TPU_STEPS_PER_EXECUTION,
-    TPU_TILE,
-    TpuSettings,
-    is_tpu_strategy,
-    padded_sizes,
-    tpu_settings,
-)
+from kmp.distribute.tpu import (TPU_STEPS_PER_EXECUTION, TPU_TILE, TpuSettings, is_tpu_strategy, padded_sizes,
+                                tpu_settings)
 
 # Names defined above this package (kmp.engine imports kmp.distribute).
 _LATER = {"is_prepared": "kmp.engine.prepare", "local_batch": "kmp.engine.prepare", "prepare": "kmp.engine.prepare"}

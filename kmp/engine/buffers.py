@@ -62,16 +62,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp.engine import fused
-from kmp.scaling import overflow
-from kmp.engine import replica_state
-from kmp.engine import zero
-from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
-from kmp.scaling.gradients import unscale
-from kmp.memory.estimate import ALIGN
 from kmp.distribute.communication import cpus_of_one_process
 from kmp.distribute.same_start import same_start
 from kmp.distribute.tpu import is_tpu_strategy
+from kmp.engine import fused, replica_state, zero
+from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
+from kmp.memory.estimate import ALIGN
+from kmp.scaling import overflow
+from kmp.scaling.gradients import unscale
 
 logger = logging.getLogger(__name__)
 

@@ -69,9 +69,9 @@ import keras
 import tensorflow as tf
 
 from kmp import seams
+from kmp.engine import replica_step
 from kmp.engine import buffers as flat
 from kmp.scaling import overflow
-from kmp.engine import replica_step
 
 logger = logging.getLogger(__name__)
 

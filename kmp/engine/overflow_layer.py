@@ -51,9 +51,9 @@ import threading
 import keras
 import tensorflow as tf
 
+from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import engine
 from kmp.scaling import overflow
-from kmp.distribute.tpu import is_tpu_strategy
 
 logger = logging.getLogger(__name__)
 

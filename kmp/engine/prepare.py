@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from kmp import seams, values
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import buffers as flat
 from kmp.engine import engine, overflow_layer, replica_step, wall_clock
+from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
 from kmp.scaling import overflow

@@ -34,9 +34,9 @@ import keras
 import tensorflow as tf
 
 from kmp import seams
-from kmp.engine import wall_clock
 from kmp.distribute.communication import all_reduce_sum
 from kmp.distribute.tpu import is_tpu_strategy
+from kmp.engine import wall_clock
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ import tensorflow as tf
 from kmp import seams
 from kmp.distribute.communication import cpus_of_one_process
 from kmp.engine import engine
-from kmp.engine import prepare as fit
+from kmp.engine.prepare import flat_reason
 from kmp.errors import Problem, check
-from kmp.memory.estimate import (BLOCK_SIZE, CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS, OPTIMIZER_SCALARS,
-                        Bytes, Setup, optimizer_slots)
+from kmp.memory.estimate import (BLOCK_SIZE, CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS,
+                                 OPTIMIZER_SCALARS, Bytes, Setup, optimizer_slots)
 from kmp.scaling.eight_bit import states_of
 
 
@@ -78,7 +78,7 @@ def _flat_in_use(model) -> bool:
         return True
     if getattr(type(model), "train_step", None) is not seams.get("TensorFlowTrainer").train_step:
         return False  # a model's own train_step keeps the per-variable path
-    return fit.flat_reason(model) is None
+    return flat_reason(model) is None
 
 
 def measured_bytes(model) -> dict[str, Bytes]:

@@ -185,7 +185,8 @@ def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, repl
     """
     source = model_or_parameters
     if hasattr(source, "trainable_variables"):
-        from kmp.memory.allocation import settings  # reads the model (imports TensorFlow)
+        # Here, not at the top: it imports TensorFlow, and `kmp memory` on a count does not.
+        from kmp.memory.allocation import settings
 
         setup = settings(source)
     else:
@@ -310,7 +311,7 @@ def optimizer_slots(optimizer, problems: list[Problem]) -> tuple[str | None, int
 def _policy(precision, problems: list[Problem]) -> str | None:
     if isinstance(precision, str) and (precision in _BYTES or precision in _SHORT):
         return _SHORT.get(precision, precision)
-    from kmp.precision import resolve_precision  # the other spellings (imports TensorFlow)
+    from kmp.precision import resolve_precision  # the other spellings; here: it imports TensorFlow
 
     try:
         return resolve_precision(precision).name

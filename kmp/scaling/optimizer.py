@@ -45,19 +45,17 @@ import tensorflow as tf
 from keras import ops
 
 from kmp import seams, values
-from kmp.scaling import state as loss_scale
-from kmp.scaling import overflow
-from kmp.engine import replica_state
-from kmp.engine import wall_clock
-from kmp.engine import zero
-from kmp.scaling.accumulate import Accumulation
 from kmp.config.settings import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import chunks, reduce_mean
 from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
-from kmp.errors import Problem, check, did_you_mean
+from kmp.engine import replica_state, wall_clock, zero
 from kmp.engine.fused import fused_apply, fused_step
+from kmp.errors import Problem, check, did_you_mean
+from kmp.scaling import overflow
+from kmp.scaling import state as loss_scale
+from kmp.scaling.accumulate import Accumulation
 from kmp.scaling.gradients import (all_finite, clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts,
-                           typed_where, unscale)
+                                   typed_where, unscale)
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 # The loss-scale keywords' defaults: LossScaleConfig's, written once there.

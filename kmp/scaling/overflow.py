@@ -22,9 +22,9 @@ import sys
 import tensorflow as tf
 
 from kmp import seams
-from kmp.scaling import state as loss_scale
 from kmp.config.settings import LossScaleConfig
 from kmp.errors import LossScaleError
+from kmp.scaling import state as loss_scale
 
 
 def in_xla() -> bool:

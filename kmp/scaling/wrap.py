@@ -36,8 +36,7 @@ import keras
 import tensorflow as tf
 
 from kmp import values
-from kmp.config import auto
-from kmp.config import optimizer_block as optimizers
+from kmp.config import auto, optimizer_block
 from kmp.config.deepspeed import read_config, resolve_batch_sizes
 from kmp.config.settings import Config, LossScaleConfig, attempt, communication_of
 from kmp.errors import Problem, check, did_you_mean
@@ -168,12 +167,12 @@ def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
                        'E.g. kmp.wrap(keras.optimizers.AdamW(1e-3), config), or {"optimizer": {"type": "AdamW", '
                        '"params": {"lr": 1e-3}}} in the config.')], "kmp.wrap arguments")
     if optimizer is not None and spec is not None:
-        differ = optimizers.differences(spec, optimizer)
+        differ = optimizer_block.differences(spec, optimizer)
         if differ:
             warnings.warn(f"kmp.wrap uses the {type(optimizer).__name__} it was given, not the config's optimizer "
                           f"block ({spec.type}), which differs in: {'; '.join(differ)}.", UserWarning, stacklevel=4)
     if settings.scheduler is None:
-        return optimizer if optimizer is not None else optimizers.build_optimizer(spec)
+        return optimizer if optimizer is not None else optimizer_block.build_optimizer(spec)
     base_lr = float(spec.params["lr"]) if optimizer is None else _deepspeed_params(optimizer)["lr"]
     if base_lr is None:
         check([Problem("optimizer.learning_rate", "a number, when the config has a scheduler block",
@@ -183,7 +182,7 @@ def _optimizer_for(optimizer, settings: Config) -> keras.optimizers.Optimizer:
     schedule, momentum = build_schedule(settings.scheduler, base_lr=base_lr,
                                         base_momentum=beta_1 if values.is_number(beta_1) else None)
     if optimizer is None:
-        optimizer = optimizers.build_optimizer(spec, learning_rate=schedule)
+        optimizer = optimizer_block.build_optimizer(spec, learning_rate=schedule)
     else:
         optimizer = _copy_with(optimizer, learning_rate=schedule)
     if momentum is not None:
