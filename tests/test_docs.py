@@ -292,7 +292,7 @@ def _check_pip(args: list[str]) -> None:
 
 def _check_kmp(args: list[str], monkeypatch) -> None:
     scripts = _setup_cfg()["options.entry_points"]["console_scripts"]
-    assert re.search(r"^\s*kmp\s*=\s*kmp\.cli:main\s*$", scripts, re.M), "setup.cfg has no `kmp` command"
+    assert re.search(r"^\s*kmp\s*=\s*kmp\.cli\.main:main\s*$", scripts, re.M), "setup.cfg has no `kmp` command"
     from kmp.cli import main as cli
 
     _parse_only(cli.main, args, monkeypatch)

@@ -43,7 +43,7 @@ COMPARISONS = (
 
 def scripts_directory() -> Path:
     """benchmarks/ of the checkout kmp runs from, else the installed copy."""
-    here = Path(__file__).resolve().parent.parent / "benchmarks"
+    here = Path(__file__).resolve().parents[2] / "benchmarks"  # kmp/cli/ -> the checkout
     installed = Path(sysconfig.get_path("data")) / "share" / "kmp" / "benchmarks"
     for candidate in (here, installed):
         if (candidate / COMPARISONS[0][1]).is_file():
