@@ -168,3 +168,32 @@ def test_a_distribute_module_does_not_import_the_engine_when_run():
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_keras_file_saved_before_the_sub_packages_loads():
+    """Keras finds kmp's classes by registered name ("kmp>..."), not by the module path the file names."""
+    import json
+    import zipfile
+
+    import keras
+
+    import kmp
+
+    path = ROOT / "tests" / "data" / "saved_before_subpackages.keras"
+    modules = {m for m in _config_modules(json.loads(zipfile.ZipFile(path).read("config.json"))) if "kmp" in m}
+    assert modules == {"kmp.optimizer", "kmp.momentum", "kmp.lr_schedule"}  # the old paths, gone now
+    assert not set(MODULES) & modules
+    optimizer = keras.saving.load_model(path).optimizer
+    assert isinstance(optimizer, kmp.LossScaleOptimizer)
+    assert type(optimizer.inner_optimizer).__module__ == "kmp.schedules.momentum"
+    assert type(optimizer.inner_optimizer._learning_rate).__module__ == "kmp.schedules.keras"
+    assert int(optimizer.iterations.numpy()) == 1  # its state came back too
+
+
+def _config_modules(config) -> set[str]:
+    if isinstance(config, dict):
+        found = {config["module"]} if isinstance(config.get("module"), str) else set()
+        return found.union(*(_config_modules(v) for v in config.values()))
+    if isinstance(config, list):
+        return set().union(*(_config_modules(v) for v in config))
+    return set()
