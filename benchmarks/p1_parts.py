@@ -4,8 +4,8 @@ Each row adds one part to the one above, timed in one process in
 interleaved rounds (ms per step, median), on the issues' MLP (40 x
 Dense(256), batch 64, Adam, mixed_float16) and two logical CPU devices:
 
-1. forward/backward: each replica's XLA computation (kmp.replica_step)
-2. + all-reduce: kmp.communication's flat float32 bucket
+1. forward/backward: each replica's XLA computation (kmp.engine.replica_step)
+2. + all-reduce: kmp.distribute.communication's flat float32 bucket
 3. + fused update: kmp.engine.fused, without the loss-scale decision
 4. + loss scaling: kmp.LossScaleOptimizer.apply (check, cond, state)
 5. whole train step: kmp.engine.replica_step.train_step (metrics, loss tracker)

@@ -60,7 +60,8 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
     ),
     "ResourceVariable": (
         "tensorflow.python.ops.resource_variable_ops", "ResourceVariable",
-        "ZeRO stage 1 (kmp.engine.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable is mirrored",
+        "ZeRO stage 1 (kmp.engine.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable "
+        "is mirrored",
     ),
     "MirroredExtended": (
         "tensorflow.python.distribute.mirrored_strategy", "MirroredExtended",

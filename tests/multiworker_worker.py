@@ -156,7 +156,7 @@ def resume_mid_window(strategy, directory) -> dict:
     step 8; after step 5 (2 micro-batches into a window; step 1's window
     overflowed) it saves on every worker, as TensorFlow's multi-worker guide
     says (the chief to SAVES, the others to SAVES/workertemp_<task>):
-    kmp.callbacks.backup.BackupAndRestore (save_freq=5), Keras's ModelCheckpoint
+    kmp.callbacks.BackupAndRestore (save_freq=5), Keras's ModelCheckpoint
     (`.weights.h5` and `.keras`), `tf.train.Checkpoint`, and the last three
     once more with kmp's gather of the other workers' window sums switched
     off (`control-`, what kmp wrote before it gathered). Then:

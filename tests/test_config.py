@@ -1,4 +1,5 @@
-"""kmp.config.settings: defaults, one problem per invalid field, validation on construction, numpy scalars, float32/int64 ranges."""
+"""kmp.config.settings: defaults, one problem per invalid field, validation on construction, numpy scalars,
+float32/int64 ranges."""
 
 import ast
 import math

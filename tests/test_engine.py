@@ -276,7 +276,8 @@ def test_one_device_joins_the_gradient(monkeypatch):
     # One device's XLA computation has every core, and XLA:CPU runs an in-place
     # write on one thread: there the gradient is joined whatever the sizes.
     monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 1)
-    monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "_written_in_place", lambda self, parts: pytest.fail("written in place"))
+    monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "_written_in_place",
+                        lambda self, parts: pytest.fail("written in place"))
     model, _ = _trained(True, epochs=1, jit_compile=True)
     assert not engine.engine_of(model).buffers.in_place
 

@@ -56,7 +56,8 @@ def _imported(name: str) -> tuple[set[str], set[str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                above = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(above + ([base] if base else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
         for target in targets:
             if target.split(".")[0] != "kmp":

@@ -1,4 +1,5 @@
-"""kmp.schedules.momentum: OneCycle's momentum cycling drives Adam-family beta_1 per applied update, as DeepSpeed's betas."""
+"""kmp.schedules.momentum: OneCycle's momentum cycling drives Adam-family beta_1 per applied update, as
+DeepSpeed's betas."""
 
 import warnings
 

@@ -211,7 +211,7 @@ def test_several_steps_per_execution_train_as_one_step_per_call(workers):
 
 
 def test_backup_and_restore_resumes_an_open_window_bit_for_bit(workers):
-    """kmp.callbacks.backup.BackupAndRestore gathers every worker's window sums: a job
+    """kmp.callbacks.BackupAndRestore gathers every worker's window sums: a job
     interrupted after step 8 (backup after step 5, 2 micro-batches into a
     window of 3, with the overflow of step 7 in the span redone), then after
     step 11 (backup after step 10, 1 micro-batch in), ends byte-identical to

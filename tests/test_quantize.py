@@ -1,4 +1,5 @@
-"""kmp.scaling.quantize: bitsandbytes' dynamic maps, block-wise 8-bit round trips, XLA, and an independent numpy reference."""
+"""kmp.scaling.quantize: bitsandbytes' dynamic maps, block-wise 8-bit round trips, XLA, and an independent
+numpy reference."""
 
 import math
 import re

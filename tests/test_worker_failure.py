@@ -6,7 +6,7 @@ job finishes with nothing lost beyond the last backup, and the result equals
 an uninterrupted run's."
 
 The job is tests/failure_worker.py (mixed float16, kmp.wrap(Adam) with
-dynamic loss scaling, kmp.prepare, kmp.callbacks.backup.BackupAndRestore every 5
+dynamic loss scaling, kmp.prepare, kmp.callbacks.BackupAndRestore every 5
 steps, 3 epochs of 6 steps; the first step of each epoch overflows). This
 file acts as the cluster manager:
 

@@ -1,6 +1,6 @@
 """BackupAndRestore: an interrupted fit() resumes at its last backup, in every worker.
 
-    model.fit(data, epochs=3, callbacks=[kmp.callbacks.backup.BackupAndRestore("/shared/backup", save_freq=50),
+    model.fit(data, epochs=3, callbacks=[kmp.callbacks.BackupAndRestore("/shared/backup", save_freq=50),
                                          kmp.callbacks.LossScaleMonitor()])
 
 Why not keras.callbacks.BackupAndRestore (Keras 3.15)
@@ -140,7 +140,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             values.int_in("save_freq", save_freq, 1, problems, fix='Or "epoch".')
         values.boolean("double_checkpoint", double_checkpoint, problems)
         values.boolean("delete_checkpoint", delete_checkpoint, problems)
-        check(problems, "kmp.callbacks.backup.BackupAndRestore arguments")
+        check(problems, "kmp.callbacks.BackupAndRestore arguments")
         super().__init__(str(backup_dir), save_freq=values.plain(save_freq),
                          double_checkpoint=double_checkpoint, delete_checkpoint=delete_checkpoint)
         self.path = os.path.join(self.backup_dir, _FILE)
@@ -170,7 +170,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             check([Problem(
                 "model", "a built model (fit() builds it from the first batch before callbacks start)",
                 f"{model.name} is not built", "Call the model on a batch, or model.build(shape), before fit().",
-            )], "kmp.callbacks.backup.BackupAndRestore")
+            )], "kmp.callbacks.BackupAndRestore")
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             with model.distribute_strategy.scope():
@@ -215,20 +215,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 continue
             if metadata.get("format") != FORMAT:
                 raise BackupError(
-                    f"kmp.callbacks.backup.BackupAndRestore: expected a backup of format {FORMAT}. Received: format "
+                    f"kmp.callbacks.BackupAndRestore: expected a backup of format {FORMAT}. Received: format "
                     f"{metadata.get('format')!r} in {path}. Delete {self.backup_dir} to start over, or resume "
                     "with the kmp version that wrote it."
                 )
             if errors:
                 warnings.warn(
-                    f"kmp.callbacks.backup.BackupAndRestore: could not read the latest backup ({'; '.join(errors)}); "
+                    f"kmp.callbacks.BackupAndRestore: could not read the latest backup ({'; '.join(errors)}); "
                     f"resuming from the previous one, after step {metadata['total']}.",
                     stacklevel=2,
                 )
             return metadata, arrays
         if errors:
             raise BackupError(
-                "kmp.callbacks.backup.BackupAndRestore: expected a readable backup. Received: "
+                "kmp.callbacks.BackupAndRestore: expected a readable backup. Received: "
                 + "; ".join(errors)
                 + f". Delete {self.backup_dir} to start over (the backups are written atomically, "
                 "so this is damage from outside the training job)."
@@ -250,7 +250,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 for i, r in enumerate(rows)
             )
             raise BackupError(
-                "kmp.callbacks.backup.BackupAndRestore: expected every worker to read the same backup from backup_dir "
+                "kmp.callbacks.BackupAndRestore: expected every worker to read the same backup from backup_dir "
                 f"(here {self.backup_dir}). Received: {described}. Put backup_dir on a file system every worker "
                 "sees, at the same path (all of them read it; only the chief writes it)."
             )
@@ -373,7 +373,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     # Keras's file-pair implementation must not run.
     def _load_model(self):
-        raise NotImplementedError("kmp.callbacks.backup.BackupAndRestore restores in on_train_begin")
+        raise NotImplementedError("kmp.callbacks.BackupAndRestore restores in on_train_begin")
 
 
 def read_backup(backup_dir) -> dict | None:
@@ -417,7 +417,7 @@ def _check_matches(metadata, variables, found_in):
                     break
         if problem:
             raise BackupError(
-                f"kmp.callbacks.backup.BackupAndRestore: expected the backup in {found_in} to come from this model, "
+                f"kmp.callbacks.BackupAndRestore: expected the backup in {found_in} to come from this model, "
                 f"optimizer and metrics. Received: {problem}. Resume with the same model and compile() "
                 "arguments as the run that wrote it, or delete the backup directory to start over."
             )
@@ -453,7 +453,7 @@ def _restore_per_replica(strategy, variables, rows) -> None:
     distributed = isinstance(variables[0].value, tf.distribute.DistributedValues)
     if rows.shape[0] != (strategy.num_replicas_in_sync if distributed else 1):
         warnings.warn(
-            f"kmp.callbacks.backup.BackupAndRestore: the backup was written by {rows.shape[0]} replicas and this run has "
+            f"kmp.callbacks.BackupAndRestore: the backup was written by {rows.shape[0]} replicas and this run has "
             f"{strategy.num_replicas_in_sync}; the resumed epoch's metrics restart from zero (weights and "
             "optimizer state are restored as saved).",
             stacklevel=3,

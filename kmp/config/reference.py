@@ -53,7 +53,8 @@ def reference() -> str:
             keras_name += ", without the compressed communication"
         shown = ", ".join(f"`{k}`={_value(v)}" for k, v in params.items())
         out.append(f"| `{kind}` | {keras_name} | {shown} |")
-    out += ["", "### Scheduler block (`kmp.schedules.formulas`)", "", "| type | params and their defaults |", "| --- | --- |"]
+    out += ["", "### Scheduler block (`kmp.schedules.formulas`)", "", "| type | params and their defaults |",
+            "| --- | --- |"]
     for kind, params in formulas.PARAMETERS.items():
         shown = ", ".join(f"`{k}`" + (" (required)" if v is formulas.REQUIRED else f"={_value(v)}")
                           for k, v in params.items())

@@ -1,4 +1,5 @@
-"""The flat-buffer engine: fit() trains kmp.engine.buffers's buffers; the Keras variables are copies kept current when observed.
+"""The flat-buffer engine: fit() trains kmp.engine.buffers's buffers; the Keras variables are copies kept
+current when observed.
 
 A prepared model (`kmp.prepare(model, flat_buffers=True)`) trains with this
 step, in replica context, on one device or several:

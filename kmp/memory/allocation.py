@@ -1,6 +1,6 @@
 """What a compiled model allocates: its settings, for kmp.memory.estimate's estimate, and the bytes each device holds.
 
-    setup = settings(model)          # kmp.memory.estimate.Setup: parameters, optimizer, replicas, accumulation, engine, ...
+    setup = settings(model)          # kmp.memory.estimate.Setup: parameters, optimizer, replicas, engine, ...
     kmp.measured_bytes(model)        # {device: kmp.memory.estimate.Bytes}, summed from the variables
 
 Measured, per replica device: each variable's own component there
@@ -73,7 +73,7 @@ def _zero_settings(optimizer) -> tuple[int, str]:
 
 
 def _flat_in_use(model) -> bool:
-    """Whether the model trains on kmp.engine.buffers's buffers: they exist, or kmp.prepare's setting builds them at fit()."""
+    """Whether the model trains on the flat buffers: they exist, or kmp.prepare's setting builds them at fit()."""
     if engine.engine_of(model) is not None:
         return True
     if getattr(type(model), "train_step", None) is not seams.get("TensorFlowTrainer").train_step:

@@ -296,7 +296,7 @@ def optimizer_slots(optimizer, problems: list[Problem]) -> tuple[str | None, int
         return optimizer, SLOTS.get(optimizer, 0)
     name = type(optimizer).__name__.lower()
     name = "sgd_momentum" if name == "sgd" and optimizer.momentum else name
-    if type(optimizer).__module__ == "kmp.scaling.eight_bit":  # kmp.Adam8bit, kmp.AdamW8bit: Adam's two slots, in 8 bits
+    if type(optimizer).__module__ == "kmp.scaling.eight_bit":  # Adam8bit, AdamW8bit: Adam's two slots, in 8 bits
         name = name.removesuffix("8bit")
     elif name not in SLOTS or not type(optimizer).__module__.startswith("keras."):
         problems.append(Problem("optimizer", f"a Keras {', '.join(sorted({*SLOTS} - {'sgd_momentum'}))} optimizer",

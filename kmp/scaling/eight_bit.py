@@ -108,7 +108,7 @@ class _EightBitStates:
 
 
 class Moment:
-    """One 8-bit moment, its codes and scales (variables, or kmp.engine.buffers's buffers), read and assigned as float32."""
+    """One 8-bit moment, its codes and scales (variables, or the flat buffers), read and assigned as float32."""
 
     def __init__(self, codes, scales, signed: bool, block_size: int):
         self.codes, self.scales, self.block_size = codes, scales, block_size
@@ -124,7 +124,7 @@ class Moment:
 
 
 def _read(variable):
-    # A TensorFlow variable, or kmp.engine.buffers's masked one, reads with read_value; a Keras variable converts itself.
+    # A TensorFlow variable, or the flat buffers' masked one, reads with read_value; a Keras variable converts itself.
     return variable.read_value() if hasattr(variable, "read_value") else variable
 
 
