@@ -1,6 +1,6 @@
 """What naming the overflowing layer costs on steps that do not overflow.
 
-`kmp.prepare(model)` wraps the train step with kmp.overflow_layer's
+`kmp.prepare(model)` wraps the train step with kmp.engine.overflow_layer's
 diagnosis (`find_overflow_layer=True`, the default): on a clean step it reads
 the skipped-steps counter twice and takes no branch. Measured side by side:
 an MLP (the issues' 40 x Dense(256) by default, batch 64, Adam) prepared

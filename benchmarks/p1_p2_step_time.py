@@ -14,8 +14,8 @@ Issue 12's P1 targets (`--issue12`: only the rows they compare, no P2):
 kmp prepared under the strategy <= 1.15x stock Keras on ONE device with
 whole-step XLA (same global batch), and <= 0.45x stock Keras under the
 strategy. kmp is measured prepared per variable (`flat_buffers=False`) and
-with the flat-buffer engine (`flat_buffers=True`, kmp.engine), at ZeRO
-stage 0 and 1 (kmp.zero); besides ms per step, it prints each row's whole
+with the flat-buffer engine (`flat_buffers=True`, kmp.engine.engine), at ZeRO
+stage 0 and 1 (kmp.engine.zero); besides ms per step, it prints each row's whole
 fit() seconds and its first fit().
 
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
@@ -72,7 +72,7 @@ def main() -> None:
             kmp.prepare(model, jit_compile=prepare, flat_buffers=flat_buffers)
         model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)  # trace
         keras.config.set_dtype_policy("float32")
-        if flat_buffers and kmp.engine.engine_of(model) is None:
+        if flat_buffers and kmp.engine.engine.engine_of(model) is None:
             raise RuntimeError("kmp.prepare(flat_buffers=True) built no flat-buffer engine")
         return Row(model)
 
@@ -126,7 +126,7 @@ def main() -> None:
                   f"first {row.first:.1f} s")
         for name in (prepared, flat, stage_1):
             opt = rows[name].model.optimizer
-            engine = "flat buffers" if kmp.engine.engine_of(rows[name].model) else "per variable"
+            engine = "flat buffers" if kmp.engine.engine.engine_of(rows[name].model) else "per variable"
             print(f"{name}: {engine}; skipped steps {int(opt.skipped_steps.numpy())}, "
                   f"updates {int(opt.inner_optimizer.iterations.numpy())}")
         return

@@ -4,11 +4,11 @@ Each row adds one part to the one above, timed in one process in
 interleaved rounds (ms per step, median), on the issues' MLP (40 x
 Dense(256), batch 64, Adam, mixed_float16) and two logical CPU devices:
 
-1. forward/backward: each replica's XLA computation (kmp.replica_step)
-2. + all-reduce: kmp.communication's flat float32 bucket
-3. + fused update: kmp.fused, without the loss-scale decision
+1. forward/backward: each replica's XLA computation (kmp.engine.replica_step)
+2. + all-reduce: kmp.distribute.communication's flat float32 bucket
+3. + fused update: kmp.engine.fused, without the loss-scale decision
 4. + loss scaling: kmp.LossScaleOptimizer.apply (check, cond, state)
-5. whole train step: kmp.distribute.replica_step.train_step (metrics, loss tracker)
+5. whole train step: kmp.engine.replica_step.train_step (metrics, loss tracker)
 
 and, for scale, one device with Keras's whole-step XLA (the same MLP and
 batch, Keras's own LossScaleOptimizer). fit() adds its own cost per step
@@ -37,9 +37,9 @@ def main() -> None:
     import tensorflow as tf
 
     import kmp
-    from kmp.distribute import replica_step
+    from kmp.engine import replica_step
     from kmp.distribute.communication import all_reduce_sum
-    from kmp.fused import fused_apply
+    from kmp.engine.fused import fused_apply
 
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(0)

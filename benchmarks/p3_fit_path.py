@@ -31,7 +31,7 @@ rows have more samples (all phases).
                   in one XLA computation
     kmp           kmp.wrap(Adam, precision="mixed_float16") + kmp.prepare,
                   as today: kmp.LossScaleOptimizer with its fused update
-                  (kmp.fused, one XLA computation per 256 variables); the
+                  (kmp.engine.fused, one XLA computation per 256 variables); the
                   rest of the step is Keras's, without XLA. In float32 on one
                   device kmp.wrap returns the plain Adam (= the keras row),
                   so mixed precision is what kmp's own update runs under.
@@ -162,7 +162,7 @@ def _build_fit(name, count, size, steps):
         kmp.prepare(model, flat_buffers=name.startswith("kmp flat"))
     if name == "kmp flat update":
         first, measure, extra = _flat_update(model, steps)
-        engine = kmp.engine.engine_of(model)
+        engine = kmp.engine.engine.engine_of(model)
     else:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(BATCH * steps, 1)).astype("float32")
@@ -170,7 +170,7 @@ def _build_fit(name, count, size, steps):
         start = time.perf_counter()
         model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
         first = time.perf_counter() - start
-        engine = kmp.engine.engine_of(model)
+        engine = kmp.engine.engine.engine_of(model)
         measure, extra = (lambda: fit_ms_per_step(model, x, y, BATCH)), ""
     if name.startswith("kmp flat") and engine is None:
         raise RuntimeError(f"{name}: kmp.prepare(flat_buffers=True) built no flat-buffer engine")
@@ -190,7 +190,7 @@ def _build_fit(name, count, size, steps):
 def _flat_update(model, steps):
     """The flat engine's update as its step calls it, alone: `optimizer.apply_flat` on a fixed gradient.
 
-    The engine is built as fit() builds it (kmp.distribute.fit._engine_for:
+    The engine is built as fit() builds it (kmp.engine.prepare._engine_for:
     the optimizer's slots, the buffers, the first copy in), without a
     forward pass; the first call is then the trace and XLA compile of the
     update alone. Left out: the XLA forward/backward that yields the flat
@@ -203,7 +203,7 @@ def _flat_update(model, steps):
 
     import tensorflow as tf
 
-    from kmp.distribute.fit import _engine_for
+    from kmp.engine.prepare import _engine_for
 
     start = time.perf_counter()
     buffers = _engine_for(model).buffers

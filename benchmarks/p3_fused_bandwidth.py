@@ -17,11 +17,11 @@ side by side in one process, the time per step of
                 any math.
     keras       keras.optimizers.Adam.apply inside tf.function (how fit() runs it)
     keras+xla   the same inside tf.function(jit_compile=True)
-    fused       kmp.fused.fused_apply inside tf.function (one XLA computation
-                per kmp.fused.GROUP_SIZE variables). XLA emits three loops per
+    fused       kmp.engine.fused.fused_apply inside tf.function (one XLA computation
+                per kmp.engine.fused.GROUP_SIZE variables). XLA emits three loops per
                 variable (m, v, then p re-reading the new m and v): 10 streams.
 
-and, without --quick, the two layouts kmp.fused did not choose:
+and, without --quick, the two layouts kmp.engine.fused did not choose:
 
     fused/1     fused_apply with all variables in ONE XLA computation
     flat        Adam on flat buffers: concatenate all params, grads and
@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import common  # noqa: E402,F401  (this checkout's kmp first on sys.path)
-from kmp import fused  # noqa: E402
-from kmp.fused import fused_apply  # noqa: E402
+from kmp.engine import fused# noqa: E402
+from kmp.engine.fused import fused_apply  # noqa: E402
 
 LAYOUTS = [(200, 100_000), (2000, 1_000)]
 STREAMS = 7  # read p, g, m, v; write p, m, v

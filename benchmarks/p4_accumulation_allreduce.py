@@ -27,7 +27,7 @@ MICRO_BATCHES = 8
 
 def launch(args) -> int:
     import common  # noqa: F401  (this checkout's kmp first on sys.path)
-    from kmp.launch import LocalJob
+    from kmp.cli.launch import LocalJob
 
     command = [sys.executable, __file__, "--worker", "--rounds", str(args.rounds), "--windows", str(args.windows)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")

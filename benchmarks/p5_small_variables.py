@@ -105,7 +105,7 @@ def _build(name, layout, blocks, steps):
     start = time.perf_counter()
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
     first = time.perf_counter() - start
-    engine = kmp.engine.engine_of(model)
+    engine = kmp.engine.engine.engine_of(model)
     if name == "kmp flat" and engine is None:
         raise RuntimeError("kmp flat: kmp.prepare(flat_buffers=True) built no flat-buffer engine")
 

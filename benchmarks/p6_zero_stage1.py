@@ -37,7 +37,7 @@ Measured 2026-11-25 on this 2-core VM (`--rounds 5 --steps 30`, 10 min):
 
 Again 2026-11-25, later (`--quick`: the MLP only, 3 rounds of 15 steps;
 this run's machine was slower throughout), with the 8-bit rows and
-Keras's copy of the state in host memory at stage 1 (kmp.zero.to_host):
+Keras's copy of the state in host memory at stage 1 (kmp.engine.zero.to_host):
 
     MLP 40x256, mixed_float16, batch 64         median ms   spread       ratio
     kmp, flat buffers, stage 0                  103.8       93.0-109.8   1.00x
@@ -59,7 +59,7 @@ stage 0 (0.65x); for 32-bit states it is not.
 
 Stage 1 is 8-9% slower per step here (first run): on two logical devices that share
 two cores and one memory, the two replicas' updates already ran in
-parallel, and halving each costs a gather of the whole weights (kmp.zero
+parallel, and halving each costs a gather of the whole weights (kmp.engine.zero
 says which gathers were tried). The flat slots shrink by half; in the first
 run Keras's slot variables (the optimizer-state column) stayed whole on
 each replica, since then they are held once in host memory (docs/zero.md). The

@@ -1,6 +1,6 @@
 """Why the flat engine's Adam update runs slower than a plain XLA Adam of the same buffers.
 
-The flat engine's update (kmp.flat, `FlatBuffers.update`) of the issues'
+The flat engine's update (kmp.engine.buffers, `FlatBuffers.update`) of the issues'
 MLP (2.6M parameters, one device) against plain Adam written directly as
 one XLA function over the same three buffers, side by side:
 
@@ -18,8 +18,8 @@ emits that fusion as a scalar loop, not <8 x float> vectors, when the
 length is not a multiple of 8 (the engine's 2,631,937 is odd) and a runtime
 scalar is in it (its optimized LLVM IR: scalar fdiv and sqrt against
 vector ones). The same Adam on a length that is a multiple of 8 runs at the
-constant's speed, and kmp.flat now pads its buffers to whole units of 16
-elements (kmp.memory.ALIGN): its row here then matches.
+constant's speed, and kmp.engine.buffers now pads its buffers to whole units of 16
+elements (kmp.memory.estimate.ALIGN): its row here then matches.
 
     python benchmarks/p7_update_scalars.py [--rounds 5] [--calls 200]
 """
@@ -42,7 +42,7 @@ def main() -> None:
     import tensorflow as tf
 
     import kmp
-    from kmp import engine
+    from kmp.engine import engine
 
     keras.config.set_dtype_policy("mixed_float16")
     model = mlp()

@@ -8,7 +8,7 @@ MirroredStrategy on two logical CPUs):
 
 - kmp flat, fit(): steady ms per step (no copies inside fit());
 - kmp flat, train_on_batch: ms per call, a load and a store each;
-- the load and the store alone (kmp.flat's copies, as the calls make them);
+- the load and the store alone (kmp.engine.buffers's copies, as the calls make them);
 - kmp per-variable and stock Keras, train_on_batch: ms per call.
 
     python benchmarks/train_on_batch_sync.py [--policy float32] [--rounds 5] [--calls 30]
@@ -27,7 +27,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kmp  # noqa: E402
-from kmp import engine  # noqa: E402
+from kmp.engine import engine# noqa: E402
 
 BATCH = 64
 

@@ -1,6 +1,6 @@
 """What `wall_clock_breakdown` costs: the same prepared model timed with it off and on.
 
-kmp.wall_clock places six `tf.timestamp()` ops in the traced step, each
+kmp.engine.wall_clock places six `tf.timestamp()` ops in the traced step, each
 after the values of the part before it, and times each call of the train
 function on the host. Measured side by side: the issues' MLP (40 x
 Dense(256), batch 64, Adam, mixed_float16), prepared, breakdown off and on:

@@ -12,7 +12,6 @@ and reading a config (`kmp.load_config`) stay fast and quiet. The first
 import importlib
 import importlib.util
 import sys
-import types
 
 # The one place the version is written: setup.cfg reads it (`attr: kmp.__version__`).
 __version__ = "0.1.0"
@@ -20,39 +19,39 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. `callbacks` and `distribute` are
 # the subpackages themselves.
 _HOMES = {
-    "Adam8bit": "kmp.eight_bit",
-    "AdamW8bit": "kmp.eight_bit",
-    "BackupError": "kmp.backup",
-    "Communication": "kmp.config",
-    "Config": "kmp.config",
+    "Adam8bit": "kmp.scaling.eight_bit",
+    "AdamW8bit": "kmp.scaling.eight_bit",
+    "BackupError": "kmp.callbacks.backup",
+    "Communication": "kmp.config.settings",
+    "Config": "kmp.config.settings",
     "ConfigError": "kmp.errors",
     "Hardware": "kmp.precision",
     "KmpError": "kmp.errors",
-    "LossScaleConfig": "kmp.config",
+    "LossScaleConfig": "kmp.config.settings",
     "LossScaleError": "kmp.errors",
-    "LossScaleOptimizer": "kmp.optimizer",
-    "MemoryEstimate": "kmp.memory",
+    "LossScaleOptimizer": "kmp.scaling.optimizer",
+    "MemoryEstimate": "kmp.memory.estimate",
     "Precision": "kmp.precision",
-    "add_config_arguments": "kmp.arguments",
-    "find_overflow": "kmp.overflow_layer",
+    "add_config_arguments": "kmp.config.arguments",
+    "find_overflow": "kmp.engine.overflow_layer",
     "callbacks": None,
     "distribute": None,
     "check_hardware": "kmp.precision",
     "float32_output": "kmp.precision",
-    "input_pipeline": "kmp.pipeline",
-    "load_config": "kmp.deepspeed",
-    "measured_bytes": "kmp.allocation",
-    "StepRecorder": "kmp.plot",
-    "plot_run": "kmp.plot",
-    "memory_estimate": "kmp.memory",
+    "input_pipeline": "kmp.data.pipeline",
+    "load_config": "kmp.config.deepspeed",
+    "measured_bytes": "kmp.memory.allocation",
+    "StepRecorder": "kmp.callbacks.plot",
+    "plot_run": "kmp.callbacks.plot",
+    "memory_estimate": "kmp.memory.estimate",
     "precision_scope": "kmp.precision",
-    "prepare": "kmp.distribute",
-    "resolve_batch_sizes": "kmp.deepspeed",
+    "prepare": "kmp.engine.prepare",
+    "resolve_batch_sizes": "kmp.config.deepspeed",
     "resolve_precision": "kmp.precision",
-    "resolve_strategy": "kmp.distribute",
+    "resolve_strategy": "kmp.distribute.strategy",
     "set_precision": "kmp.precision",
-    "to_deepspeed": "kmp.deepspeed",
-    "wrap": "kmp.wrap",
+    "to_deepspeed": "kmp.config.deepspeed",
+    "wrap": "kmp.scaling.wrap",
 }
 
 __all__ = list(_HOMES)
@@ -77,24 +76,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """The module type of `kmp`: keeps `kmp.wrap` the function.
-
-    The function `wrap` shares its name with its module, kmp/wrap.py, and
-    the import system sets each submodule as an attribute of its package
-    when the submodule is first imported. The eager import used to rebind
-    the name to the function right after; a lazy one cannot, so that
-    assignment is dropped here and `kmp.wrap` is looked up by `__getattr__`.
-    """
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "wrap" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 # Keras finds kmp's classes in a .keras file only once their modules have
 # registered them (Keras imports no outside module while loading). Those
 # modules import Keras, so they are imported as soon as Keras is: now, if it
@@ -102,7 +83,7 @@ sys.modules[__name__].__class__ = _Package
 # has run and no kmp module is half-imported. A kmp module that imports Keras
 # first (kmp.precision) must finish before the registering modules, which
 # import it back, can run. `kmp --help` and `kmp config check` import neither.
-_REGISTERING = ("kmp.optimizer", "kmp.momentum", "kmp.lr_schedule", "kmp.eight_bit")
+_REGISTERING = ("kmp.scaling.optimizer", "kmp.schedules.momentum", "kmp.schedules.keras", "kmp.scaling.eight_bit")
 
 
 def _register_with_keras() -> None:

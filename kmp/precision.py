@@ -20,8 +20,8 @@ from typing import Any, Iterator, Literal, Mapping, Union, get_args
 import keras
 import tensorflow as tf
 
-from kmp.config import Config
-from kmp.deepspeed import precision_of
+from kmp.config.deepspeed import precision_of
+from kmp.config.settings import Config
 from kmp.errors import ConfigError, Problem, did_you_mean, loose
 from kmp.values import is_int
 

@@ -60,7 +60,8 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
     ),
     "ResourceVariable": (
         "tensorflow.python.ops.resource_variable_ops", "ResourceVariable",
-        "ZeRO stage 1 (kmp.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable is mirrored",
+        "ZeRO stage 1 (kmp.engine.zero.to_host): one plain variable inside a strategy's scope, where tf.Variable "
+        "is mirrored",
     ),
     "MirroredExtended": (
         "tensorflow.python.distribute.mirrored_strategy", "MirroredExtended",
@@ -90,16 +91,16 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_call_has_training_arg",
         "_autoconvert_optionals",
         "_initial_epoch",          # kmp.callbacks.BackupAndRestore: the epoch fit() resumes at
-        "_symbolic_build",         # kmp.overflow_layer: builds the optimizer before the step reads its counter
+        "_symbolic_build",         # kmp.engine.overflow_layer: builds the optimizer before the step reads its counter
     ),
     "keras.layers.Layer": (
-        "_flatten_layers",         # kmp.overflow_layer: a layer's direct sublayers, to number them
-        "call",                    # kmp.overflow_layer shadows it (or quantized_call) on the instance,
+        "_flatten_layers",         # kmp.engine.overflow_layer: a layer's direct sublayers, to number them
+        "call",                    # kmp.engine.overflow_layer shadows it (or quantized_call) on the instance,
         "quantized_call",          # for one traced or eager forward pass, then restores it
         "_call_has_training_arg",
     ),
     "keras.optimizers.Optimizer": (
-        "_learning_rate",          # kmp.fused: variable, schedule or callable
+        "_learning_rate",          # kmp.engine.fused: variable, schedule or callable
         "_iterations",
         "_trainable_variables",
         "_trainable_variables_indices",
@@ -112,7 +113,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_velocities",             # Adam, AdamW
     ),
     "keras.Variable (TensorFlow backend)": (
-        "_value",                  # kmp.zero: the TensorFlow variable behind it, moved to host memory and back
+        "_value",                  # kmp.engine.zero: the TensorFlow variable behind it, moved to host memory and back
     ),
     "keras TFOptimizer": (
         "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored
@@ -121,7 +122,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace
     ),
     "tf.distribute DistributedVariable": (
-        "_get_on_device_or_primary",  # kmp.fused: this replica's own component
+        "_get_on_device_or_primary",  # kmp.engine.fused: this replica's own component
     ),
     "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": (
         "_get_variable_creator_initial_value",  # kmp.distribute.same_start: shadowed on the instance for a block

@@ -14,7 +14,7 @@ On a real cluster, one worker per machine with TF_CONFIG set there (or
 Without TF_CONFIG it runs on this process's default strategy.
 
 Each worker trains a small classifier on the digits data shipped with kmp
-(`kmp.datasets.load_digits`, no network needed) and prints its final test
+(`kmp.data.datasets.load_digits`, no network needed) and prints its final test
 loss, accuracy and loss scale; all workers print the same numbers, since they
 hold the same weights.
 
@@ -44,7 +44,7 @@ def train(args: argparse.Namespace) -> int:
     import kmp
     import kmp.distribute
     from kmp.callbacks import LossScaleMonitor
-    from kmp.datasets import load_digits
+    from kmp.data.datasets import load_digits
 
     # A collective whose peer died fails after this long instead of waiting forever.
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import keras
 
     import kmp
-    from kmp.datasets import load_digits
+    from kmp.data.datasets import load_digits
 
     (x, y), (x_test, y_test) = load_digits(seed=args.seed)
     rows = []

@@ -8,7 +8,7 @@ model (a small MLP, `kmp.wrap(Adam)` with dynamic loss scaling from 64), its
 data (48 rows, global batches of 8, one row whose target overflows float16
 in the first global batch of every epoch, in worker 1's half), trained for
 EPOCHS epochs under mixed_float16 with `kmp.prepare(model)` and
-`kmp.backup.BackupAndRestore(BACKUP_DIR, save_freq=SAVE_FREQ)`.
+`kmp.callbacks.BackupAndRestore(BACKUP_DIR, save_freq=SAVE_FREQ)`.
 
 With `--kill-after N` the worker SIGKILLs itself right after its N-th
 training step (counted by the optimizer: applied plus skipped steps), before
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
 
     import kmp
     import multiworker_worker as job
-    from kmp.backup import BackupAndRestore
+    from kmp.callbacks.backup import BackupAndRestore
 
     warnings.filterwarnings("ignore", message=".*on CPU: CPUs have no fast float16 math.*")
     # Two workers share this machine's two cores: one thread each.

@@ -104,8 +104,8 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
     import tensorflow as tf
 
     import kmp.distribute
-    import kmp.engine
-    import kmp.optimizer
+    import kmp.engine.engine
+    import kmp.scaling.optimizer
 
     keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)
@@ -129,7 +129,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
     clean = [row for row in range(ROWS) if row != SPIKE_ROW][:40]  # 5 full global batches
     eval_loss = model.evaluate(make_dataset(x[clean], y[clean]), verbose=0)
     opt = model.optimizer
-    engine = kmp.engine.engine_of(model)
+    engine = kmp.engine.engine.engine_of(model)
     return {
         "optimizer": type(opt).__name__,
         "weights": [w.tolist() for w in model.get_weights()],
@@ -137,7 +137,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
         "eval_loss": eval_loss,
         "all_reduces": int(strategy.experimental_local_results(calls)[0].numpy()),
         # The forward/backward XLA functions, one per local replica: the flat-buffer
-        # engine's (prepare's default), else kmp.distribute.replica_step's.
+        # engine's (prepare's default), else kmp.engine.replica_step's.
         "flat_buffers": engine is not None,
         "sharded": bool(engine and engine.buffers.sharded),
         "xla_per_replica": len(vars(engine).get("_steps", {})) if engine else len(vars(model).get("_kmp_replica_steps", {})),
@@ -156,7 +156,7 @@ def resume_mid_window(strategy, directory) -> dict:
     step 8; after step 5 (2 micro-batches into a window; step 1's window
     overflowed) it saves on every worker, as TensorFlow's multi-worker guide
     says (the chief to SAVES, the others to SAVES/workertemp_<task>):
-    kmp.backup.BackupAndRestore (save_freq=5), Keras's ModelCheckpoint
+    kmp.callbacks.BackupAndRestore (save_freq=5), Keras's ModelCheckpoint
     (`.weights.h5` and `.keras`), `tf.train.Checkpoint`, and the last three
     once more with kmp's gather of the other workers' window sums switched
     off (`control-`, what kmp wrote before it gathered). Then:
@@ -178,8 +178,8 @@ def resume_mid_window(strategy, directory) -> dict:
     import tensorflow as tf
 
     import kmp
-    import kmp.replica_state
-    from kmp.backup import BackupAndRestore
+    import kmp.engine.replica_state
+    from kmp.callbacks.backup import BackupAndRestore
 
     batches = ROWS // GLOBAL_BATCH
 
@@ -233,7 +233,7 @@ def resume_mid_window(strategy, directory) -> dict:
         """This worker's window: micro-batches in it and each replica's sums."""
         accumulation = model.optimizer.accumulation
         return {"micro_steps": int(accumulation.micro_steps.numpy()),
-                "sums": [c.numpy() for v in accumulation.local_state() for c in kmp.replica_state.components(v)]}
+                "sums": [c.numpy() for v in accumulation.local_state() for c in kmp.engine.replica_state.components(v)]}
 
     class SaveAfter(InterruptAfter):
         """tf.train.Checkpoint, and the control files, after step `step`, on every worker."""
@@ -245,12 +245,12 @@ def resume_mid_window(strategy, directory) -> dict:
                 return
             tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer).write(
                 os.path.join(mine, names["checkpoint"]))
-            across = kmp.replica_state._across_workers
-            kmp.replica_state._across_workers = lambda micro_steps: False  # kmp before it gathered
+            across = kmp.engine.replica_state._across_workers
+            kmp.engine.replica_state._across_workers = lambda micro_steps: False  # kmp before it gathered
             try:
                 write(self.model, mine, "control-")
             finally:
-                kmp.replica_state._across_workers = across
+                kmp.engine.replica_state._across_workers = across
             self.saved = window(self.model)
 
     def resume_from(method, prefix="", train=True):
@@ -347,7 +347,7 @@ def resume_mid_window(strategy, directory) -> dict:
 
 
 def zero_stage1(strategy, directory, one_device_dir) -> dict:
-    """ZeRO stage 1 across the two workers (kmp.zero), beside train()'s stage-0 run:
+    """ZeRO stage 1 across the two workers (kmp.engine.zero), beside train()'s stage-0 run:
 
     - `trained`: train() at stage 1;
     - `bytes`: the optimizer state this worker's device holds (its one replica):
@@ -367,7 +367,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
     import numpy as np
 
     import kmp
-    import kmp.engine
+    import kmp.engine.engine
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     mine = directory if task == 0 else os.path.join(directory, f"workertemp_{task}")
@@ -375,14 +375,14 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
     out = {"directory": directory, "trained": train(strategy, zero_stage=1), "scatter": scatter_across_workers(strategy)}
 
     def state_bytes(model):
-        buffers = kmp.engine.engine_of(model).buffers
+        buffers = kmp.engine.engine.engine_of(model).buffers
         inner = model.optimizer.inner_optimizer
-        keras_copy = [v.value for v in inner.variables if v is not inner.iterations and kmp.zero.on_host(v)]
+        keras_copy = [v.value for v in inner.variables if v is not inner.iterations and kmp.engine.zero.on_host(v)]
         shards = [c for n in buffers.slot_names for c in strategy.experimental_local_results(buffers.buffers[n])]
         return {"shards": sum(c.numpy().nbytes for c in shards),
                 "shard_elements": [int(c.shape[0]) for c in shards],
                 "keras_copy_on_host": sum(v.numpy().nbytes for v in keras_copy),
-                "host": kmp.zero.host(strategy), "replica_device": strategy.extended.worker_devices[0]}
+                "host": kmp.engine.zero.host(strategy), "replica_device": strategy.extended.worker_devices[0]}
 
     class ChiefReadsWeights(keras.callbacks.Callback):
         kmp_reads_weights = False  # no copies around it: the model's get_weights makes its own
@@ -412,7 +412,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
     model.load_weights(os.path.join(one_device_dir, "epoch1.weights.h5"))
     history = model.fit(make_dataset(x, y), epochs=1, verbose=0, shuffle=False)
     out["resumed"] = {"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"],
-                      "sharded": kmp.engine.engine_of(model).buffers.sharded,
+                      "sharded": kmp.engine.engine.engine_of(model).buffers.sharded,
                       "state": {k: float(getattr(model.optimizer, k).numpy()) for k in
                                 ("dynamic_scale", "iterations", "overflows", "skipped_steps")}}
 
@@ -423,7 +423,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
         with strategy.scope():
             model = build_model(zero_stage=stage, inner=kmp.Adam8bit(1e-2, epsilon=0.1, block_size=8))
         history = kmp.prepare(model, flat_buffers=flat).fit(make_dataset(x, y), epochs=2, verbose=0, shuffle=False)
-        engine = kmp.engine.engine_of(model)
+        engine = kmp.engine.engine.engine_of(model)
         out["eight_bit"][name] = {
             "loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()],
             "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
@@ -437,7 +437,7 @@ def scatter_across_workers(strategy) -> dict:
     the summed flat gradient, every replica's row, and the collectives the traced step holds."""
     import tensorflow as tf
 
-    from kmp.config import Communication
+    from kmp.config.settings import Communication
     from kmp.distribute import scatter
 
     out = {}
@@ -469,7 +469,7 @@ def load_window(strategy, directory) -> dict:
     import keras
     import tensorflow as tf
 
-    import kmp.replica_state
+    import kmp.engine.replica_state
 
     keras.config.set_dtype_policy("mixed_float16")
     out = {}
@@ -484,9 +484,9 @@ def load_window(strategy, directory) -> dict:
                     os.path.join(directory, "ckpt-1")).assert_existing_objects_matched()
         accumulation = model.optimizer.accumulation
         out[method] = {
-            "replica_ids": [int(i) for i in kmp.replica_state.replica_ids(strategy)],
+            "replica_ids": [int(i) for i in kmp.engine.replica_state.replica_ids(strategy)],
             "micro_steps": int(accumulation.micro_steps.numpy()),
-            "sums": [[c.numpy().tolist() for c in kmp.replica_state.components(v)] for v in accumulation.sums],
+            "sums": [[c.numpy().tolist() for c in kmp.engine.replica_state.components(v)] for v in accumulation.sums],
         }
     return out
 
@@ -507,7 +507,7 @@ def fit_error(strategy, replaced=()) -> str | None:
     """The error fit() raises for a throwaway model with only `replaced` of prepare's methods, or None."""
     import types
 
-    import kmp.distribute.fit as kmp_prepare
+    import kmp.engine.prepare as kmp_prepare
 
     x, y = make_data()
     with strategy.scope():
@@ -533,7 +533,7 @@ def forward_overflow(strategy) -> dict:
     import numpy as np
 
     import kmp.distribute
-    from kmp import overflow_layer
+    from kmp.engine import overflow_layer
     from kmp.callbacks import LossScaleMonitor
 
     keras.config.set_dtype_policy("mixed_float16")
@@ -556,7 +556,7 @@ def forward_overflow(strategy) -> dict:
 
 
 def wall_clock_breakdown(strategy) -> dict:
-    """kmp.wall_clock across workers: the lines (the chief's only) and the logs' keys (every worker's)."""
+    """kmp.engine.wall_clock across workers: the lines (the chief's only) and the logs' keys (every worker's)."""
     import contextlib
     import io
 

@@ -2,7 +2,7 @@
 
     python tests/real_model_worker.py OUT.json CASE:POLICY:PATH [CASE:POLICY:PATH ...]
 
-TF_CONFIG names the cluster (kmp.launch.LocalJob sets it). Each case is built,
+TF_CONFIG names the cluster (kmp.cli.launch.LocalJob sets it). Each case is built,
 wrapped, prepared and trained as the in-process matrix does, on each worker's
 share of the same global batches; OUT.json gets, per case, each step's loss
 and the path kmp took.
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
 
     import kmp
     import real_models
-    from kmp.distribute import replica_step
+    from kmp.engine import replica_step
     from test_real_models import BATCH, STEPS
 
     tf.config.threading.set_intra_op_parallelism_threads(1)  # two workers share the cores

@@ -13,7 +13,7 @@ import tensorflow as tf
 import kmp
 from kmp.distribute import communication as kmp_communication
 from kmp.callbacks import GradientAccumulationScheduler
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 INF = np.float32(np.inf)
 X = np.random.default_rng(0).normal(size=(96, 6)).astype("float32")

@@ -7,7 +7,7 @@ import keras
 import pytest
 
 import kmp
-from kmp.arguments import add_config_arguments
+from kmp.config.arguments import add_config_arguments
 
 
 def _parser():

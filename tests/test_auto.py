@@ -1,4 +1,4 @@
-"""kmp.auto: Hugging Face's "auto" values, filled from what kmp is given, or one error naming the arguments."""
+"""kmp.config.auto: Hugging Face's "auto" values, filled from what kmp is given, or one error naming the arguments."""
 
 import json
 import warnings
@@ -8,7 +8,7 @@ import keras
 import pytest
 
 import kmp
-from kmp.auto import FILLS, Given, auto_paths, fill_auto
+from kmp.config.auto import FILLS, Given, auto_paths, fill_auto
 
 CORPUS = Path(__file__).parent / "data" / "deepspeed_configs"
 # accelerate's template: every value HF's Trainer fills is "auto"

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from kmp import bench, cli
+from kmp.cli import bench
+from kmp.cli import main as cli
 from kmp.errors import KmpError
 
 

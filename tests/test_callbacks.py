@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp import callbacks as kmp_callbacks
-from kmp import loss_scale
+from kmp.callbacks import monitor as kmp_callbacks
+from kmp.scaling import state as loss_scale
 from kmp.callbacks import LossScaleMonitor
-from kmp.loss_scale import WindowState, steps_clear_of_floor, stuck_in_window
-from kmp.config import LossScaleConfig
+from kmp.scaling.state import WindowState, steps_clear_of_floor, stuck_in_window
+from kmp.config.settings import LossScaleConfig
 from kmp.errors import LossScaleError
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 BATCH = 4
 # Per epoch: four batches, the second holds an inf, so flags are C O C C.

@@ -1,4 +1,4 @@
-"""The `kmp` command (kmp/cli.py, kmp/env.py) and the lazy `import kmp`.
+"""The `kmp` command (kmp/cli/main.py, kmp/cli/env.py) and the lazy `import kmp`.
 
 Commands run as a user runs them, in a fresh process from this source tree,
 without TF_CPP_MIN_LOG_LEVEL: "quiet" means the command itself keeps
@@ -25,7 +25,8 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import cli, env
+from kmp.cli import main as cli
+from kmp.cli import env
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("tensorflow", "keras")
@@ -39,7 +40,7 @@ def _environ() -> dict[str, str]:
 
 
 def run_kmp(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kmp.cli", *args], cwd=ROOT, env=_environ(),
+    return subprocess.run([sys.executable, "-m", "kmp.cli.main", *args], cwd=ROOT, env=_environ(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,8 +77,8 @@ def test_import_and_load_config_leave_tensorflow_out(tmp_path):
 
 
 def test_pure_modules_import_without_tensorflow(tmp_path):
-    done, heavy = run_python("import kmp.errors, kmp.values, kmp.config, kmp.deepspeed, kmp.loss_scale, kmp.env",
-                             tmp_path)
+    done, heavy = run_python("import kmp.errors, kmp.values, kmp.config.settings, kmp.config.deepspeed, "
+                             "kmp.schedules.formulas, kmp.scaling.state, kmp.memory.estimate, kmp.cli.env", tmp_path)
     assert heavy == [] and done.stderr == ""
 
 
@@ -101,9 +102,9 @@ def test_every_public_name_is_its_modules_object():
 
 def test_wrap_stays_the_function_when_its_module_is_imported_first(tmp_path):
     done, heavy = run_python(
-        "import kmp.wrap\nimport kmp\n"
+        "import kmp.scaling.wrap\nimport kmp\n"
         "import types\nassert not isinstance(kmp.wrap, types.ModuleType)\n"
-        "assert kmp.wrap is sys.modules['kmp.wrap'].wrap\nprint(kmp.wrap.__name__)\n",
+        "assert kmp.wrap is sys.modules['kmp.scaling.wrap'].wrap\nprint(kmp.wrap.__name__)\n",
         tmp_path)
     assert done.stdout == "wrap\n"
 
@@ -188,13 +189,13 @@ def test_the_version_has_one_source():
 
 
 def test_help_is_quick_and_quiet(tmp_path):
-    done, heavy = run_python("from kmp.cli import main\nmain(['--help'])", tmp_path)
+    done, heavy = run_python("from kmp.cli.main import main\nmain(['--help'])", tmp_path)
     assert heavy == [] and done.stderr == ""
     assert re.search(r"^\s+env\s", done.stdout, re.M) and re.search(r"^\s+demo\s", done.stdout, re.M)
 
 
 def test_version(tmp_path):
-    done, heavy = run_python("from kmp.cli import main\nsys.exit(main(['--version']))", tmp_path)
+    done, heavy = run_python("from kmp.cli.main import main\nsys.exit(main(['--version']))", tmp_path)
     assert heavy == [] and done.stderr == ""
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in HEAVY)
     assert done.stdout == (f"kmp {kmp.__version__} from {ROOT / 'kmp'} "
@@ -392,7 +393,7 @@ CORPUS = ROOT / "tests" / "data" / "deepspeed_configs"
 
 def test_config_check_prints_the_resolved_job_without_tensorflow(tmp_path):
     path = CORPUS / "dse__QANet-Pytorch__ds_bsz512_1cycle.json"
-    done, heavy = run_python(f"from kmp.cli import main\nraise SystemExit(main(['config', 'check', {str(path)!r}, "
+    done, heavy = run_python(f"from kmp.cli.main import main\nraise SystemExit(main(['config', 'check', {str(path)!r}, "
                              "'--replicas', '2']))", tmp_path)
     assert heavy == [] and done.stderr == ""
     out = done.stdout
@@ -402,7 +403,7 @@ def test_config_check_prints_the_resolved_job_without_tensorflow(tmp_path):
 
 
 def test_config_check_says_once_what_a_compressed_optimizer_is_trained_as():
-    from kmp import config_check
+    from kmp.cli import config_check
 
     path = CORPUS / "dse__training__BingBertSquad__1-bit_adam__nccl__deepspeed_onebitadam_bsz96_config.json"
     report, code = config_check.check(str(path))
@@ -436,7 +437,7 @@ def test_config_check_exit_codes_for_ci(tmp_path):
 
 
 def test_config_check_notes_a_decay_shorter_than_warmup_once(tmp_path):
-    from kmp import config_check
+    from kmp.cli import config_check
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.config import Communication
+from kmp.config.settings import Communication
 from kmp.distribute import communication
 from kmp.distribute.communication import _buckets, all_reduce_sum
 from kmp.errors import ConfigError
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
 

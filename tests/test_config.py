@@ -1,4 +1,5 @@
-"""kmp.config: defaults, one problem per invalid field, validation on construction, numpy scalars, float32/int64 ranges."""
+"""kmp.config.settings: defaults, one problem per invalid field, validation on construction, numpy scalars,
+float32/int64 ranges."""
 
 import ast
 import math
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.config import Communication, Config, LossScaleConfig
+from kmp.config.settings import Communication, Config, LossScaleConfig
 from kmp.errors import ConfigError
 
 
@@ -163,7 +164,8 @@ def test_configs_are_frozen_values():
     assert hash(Config()) == hash(Config())
 
 
-@pytest.mark.parametrize("module", ["config.py", "errors.py", "deepspeed.py", "loss_scale.py", "values.py"])
+@pytest.mark.parametrize("module", ["config/settings.py", "errors.py", "config/deepspeed.py", "scaling/state.py",
+                                    "values.py"])
 def test_pure_modules_import_no_tensorflow_or_keras(module):
     tree = ast.parse((Path(__file__).parent.parent / "kmp" / module).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -107,7 +107,7 @@ def _setup(record):
     `passed` names the optimizer handed to kmp.wrap ("adamw", "sgd" or None: the file's own).
     """
     import kmp
-    from kmp.auto import auto_paths
+    from kmp.config.auto import auto_paths
 
     path = os.path.join(CORPUS, record["file"])
     with open(path) as f:
@@ -164,7 +164,7 @@ def test_every_training_config_loads_and_trains(record):
     import numpy as np
 
     import kmp
-    from kmp.optimizers import keras_arguments
+    from kmp.config.optimizer_block import keras_arguments
 
     path, fills, given, config, passed, world = _setup(record)
     if config is None:

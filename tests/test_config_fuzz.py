@@ -25,7 +25,7 @@ TensorFlow error, ...) fails the case.
 
 1,880 generated cases in all (the max_examples below), about 15 s here. Each
 test also replays, as @example, the cases that found defects in kmp. Two
-defects of kmp/optimizer.py it found are regression tests at the end of the file.
+defects of kmp/scaling/optimizer.py it found are regression tests at the end of the file.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kmp
-from kmp.auto import auto_paths
-from kmp.deepspeed import _IGNORED  # the DeepSpeed keys kmp reads past: data, not a check
+from kmp.config.auto import auto_paths
+from kmp.config.deepspeed import _IGNORED  # the DeepSpeed keys kmp reads past: data, not a check
 from kmp.distribute import strategy as strategy_module
 
 pytestmark = [
@@ -1041,7 +1041,7 @@ def test_loss_scale_optimizer(kwargs):
     ends_well(lambda: kmp.LossScaleOptimizer(keras.optimizers.SGD(), **kwargs), oracle)
 
 
-# Two defects of kmp/optimizer.py the fuzzer found (fixed).
+# Two defects of kmp/scaling/optimizer.py the fuzzer found (fixed).
 def test_unknown_loss_scale_optimizer_argument():
     ends_well(lambda: kmp.LossScaleOptimizer(keras.optimizers.SGD(), hysterisis=2), check_optimizer_accepted_nothing)
 

@@ -1,4 +1,4 @@
-"""kmp.datasets: the packaged digits file and its train/test split."""
+"""kmp.data.datasets: the packaged digits file and its train/test split."""
 
 import gzip
 import hashlib
@@ -11,8 +11,8 @@ import keras
 import numpy as np
 import pytest
 
-from kmp import datasets
-from kmp.datasets import load_digits
+from kmp.data import datasets
+from kmp.data.datasets import load_digits
 from kmp.errors import ConfigError, KmpError
 
 # The same values as kmp/data/README.md.

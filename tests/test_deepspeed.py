@@ -1,4 +1,4 @@
-"""kmp.deepspeed: sources, DeepSpeed defaults, the key table, errors, round trips, batch sizes."""
+"""kmp.config.deepspeed: sources, DeepSpeed defaults, the key table, errors, round trips, batch sizes."""
 
 import dataclasses
 import json
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from kmp.config import Config, LossScaleConfig
-from kmp.deepspeed import (
+from kmp.config.settings import Config, LossScaleConfig
+from kmp.config.deepspeed import (
     DEEPSPEED_KEYS,
     DEEPSPEED_LOSS_SCALE,
     load_config,

@@ -16,9 +16,9 @@ import tensorflow as tf
 
 import kmp
 from kmp import distribute
-from kmp.distribute import fit as trainer
+from kmp.engine import prepare as trainer
 from kmp.distribute import strategy as strategy_module
-from kmp.deepspeed import load_config
+from kmp.config.deepspeed import load_config
 from kmp.errors import ConfigError
 from kmp.precision import Precision
 
@@ -310,7 +310,7 @@ def test_kerass_loss_scale_optimizer_is_replaced_and_skips_an_inf_on_the_second_
     model.fit(x, np.ones((2, 1), "float32"), batch_size=2, verbose=0)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert int(model.optimizer.skipped_steps.numpy()) == 1 and int(model.optimizer.iterations.numpy()) == 0
-    assert (kmp.engine.engine_of(model) is not None) == bool(flat)
+    assert (kmp.engine.engine.engine_of(model) is not None) == bool(flat)
 
 
 def test_the_replacement_keeps_kerass_settings_and_is_saved(tmp_path):

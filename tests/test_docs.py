@@ -9,7 +9,7 @@ One test case per block, named by file and line (`README.md:6`):
   for their result (EXPECTATIONS).
 - ```json blocks are DeepSpeed-style configs: `kmp.load_config` reads them.
 - ```bash / ```sh / untagged blocks are commands. None is run (no pip here);
-  each must name what exists: `kmp` subcommands and options (kmp/cli.py's
+  each must name what exists: `kmp` subcommands and options (kmp/cli/main.py's
   parser), scripts in the repository and their options (their own parsers),
   the extras in setup.cfg.
 - ```text blocks are output or pseudo-code. Output kmp prints is compared
@@ -292,8 +292,8 @@ def _check_pip(args: list[str]) -> None:
 
 def _check_kmp(args: list[str], monkeypatch) -> None:
     scripts = _setup_cfg()["options.entry_points"]["console_scripts"]
-    assert re.search(r"^\s*kmp\s*=\s*kmp\.cli:main\s*$", scripts, re.M), "setup.cfg has no `kmp` command"
-    from kmp import cli
+    assert re.search(r"^\s*kmp\s*=\s*kmp\.cli\.main:main\s*$", scripts, re.M), "setup.cfg has no `kmp` command"
+    from kmp.cli import main as cli
 
     _parse_only(cli.main, args, monkeypatch)
 
@@ -397,7 +397,7 @@ NOT_RUN = {
     "grads  = float32(local gradients) / scale   # unscale first, on each replica":
         "pseudo-code of one optimizer step",
     "on an overflow:                        # the step is always skipped":
-        "pseudo-code of kmp/loss_scale.py; the python block after it runs the examples",
+        "pseudo-code of kmp/scaling/state.py; the python block after it runs the examples",
     "micro-batch 1..N-1 (each replica, no communication):": "pseudo-code of an accumulation window",
     "kmp launch: 2 workers on 127.0.0.1:47945, 127.0.0.1:48689":
         "output of recipes/multiworker.py under kmp launch, two worker processes (tests/test_launch.py runs it)",

@@ -1,4 +1,5 @@
-"""kmp.Adam8bit and kmp.AdamW8bit: Keras's Adam on block-wise 8-bit moments (kmp.eight_bit, kmp.quantize)."""
+"""kmp.Adam8bit and kmp.AdamW8bit: Keras's Adam on block-wise 8-bit moments (kmp.scaling.eight_bit,
+kmp.scaling.quantize)."""
 
 import dataclasses
 import math
@@ -9,8 +10,10 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import engine, quantize, zero
-from kmp.eight_bit import Adam8bit, AdamW8bit
+from kmp.engine import engine
+from kmp.scaling import quantize
+from kmp.engine import zero
+from kmp.scaling.eight_bit import Adam8bit, AdamW8bit
 
 HALF_GAP = {True: 0.0070313, False: 0.0035157}  # the maps' largest half gap (tests/test_quantize.py measures it)
 
@@ -183,7 +186,7 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
             np.testing.assert_allclose(a, b, rtol=1e-5)
     for a, b in zip(plain.get_weights(), flat.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    # kmp.memory counts what each replica holds, byte for byte: the flat weights padded, codes and scales sharded.
+    # kmp.memory_estimate counts what each replica holds, byte for byte: the flat weights padded, codes and scales sharded.
     estimate = kmp.memory_estimate(flat)
     # (On the two logical CPUs, replicas of one process, the weights are in shards too.)
     assert estimate.flat_copies == 4 * shard + 2 * (shard + 4 * shard // 256)

@@ -1,4 +1,4 @@
-"""The flat-buffer engine (kmp.flat, kmp.engine): the same training as the
+"""The flat-buffer engine (kmp.engine): the same training as the
 per-variable path, and the Keras variables current wherever they are observed.
 
 Each test trains the same model twice from the same seed, with
@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import engine
+from kmp.engine import engine
 from kmp.callbacks import LossScaleMonitor
 
 ROWS, FEATURES = 48, 6
@@ -99,7 +99,7 @@ def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args
     buffers = engine.engine_of(flat).buffers
     slots = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1, "adagrad": 1, "lamb": 2}[optimizer]
     assert len(buffers.buffers) == 1 + slots + ("gradient_accumulation_steps" in wrap_args)
-    # Every parameter, padded to whole units of 16 elements (kmp.flat, ALIGN).
+    # Every parameter, padded to whole units of 16 elements (kmp.engine.buffers, ALIGN).
     assert buffers.size == -(-sum(int(np.prod(v.shape)) for v in flat.trainable_variables) // 16) * 16
     # Under the strategy both run XLA per replica and the same update math:
     # bit for bit, except that a global norm (clipping) sums in another
@@ -195,7 +195,7 @@ class _Recorder(keras.callbacks.Callback):
 
 
 def test_a_callback_reading_variables_each_batch_sees_the_current_weights(caplog):
-    with caplog.at_level(logging.WARNING, logger="kmp.engine"):
+    with caplog.at_level(logging.WARNING, logger="kmp.engine.engine"):
         runs = [_trained(f, callbacks=[_Recorder()], epochs=1)[0] for f in (False, True)]
     assert caplog.text.count("_Recorder overrides on_train_batch_end: the flat-buffer engine copies") == 1
     _assert_close(_raw(runs[0]), _raw(runs[1]))
@@ -213,14 +213,14 @@ def test_what_each_batch_hook_sees_matches_the_per_variable_path():
 def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
     # Models of many variables split the weights before the XLA forward pass
     # (engine.SPLIT_IN_XLA_UP_TO), and copies made often run as one traced
-    # graph (kmp.flat.EAGER_COPIES): both at once here, on this small model, with
+    # graph (kmp.engine.buffers.EAGER_COPIES): both at once here, on this small model, with
     # a copy each way around every batch; the same math, bit for bit.
     keras.config.set_dtype_policy("mixed_float16")
     runs = []
     for many in (False, True):
         if many:
             monkeypatch.setattr(engine, "SPLIT_IN_XLA_UP_TO", 0)
-            monkeypatch.setattr(kmp.flat, "EAGER_COPIES", 0)
+            monkeypatch.setattr(kmp.engine.buffers, "EAGER_COPIES", 0)
         recorder = _Recorder()
         model, _ = _trained(True, two_replicas, "adam", callbacks=[recorder], epochs=1)
         runs.append((model, recorder))
@@ -233,7 +233,7 @@ def test_the_many_variable_paths_train_the_same(two_replicas, monkeypatch):
 
 def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
     # Inside XLA on replicas that are CPUs of one process, variables of
-    # kmp.flat.IN_PLACE_FROM elements or more are written into the flat gradient
+    # kmp.engine.buffers.IN_PLACE_FROM elements or more are written into the flat gradient
     # in place and the runs of smaller ones between them joined; elsewhere
     # everything is joined. With the threshold at 16 this model has both kinds
     # (out's bias: 1 element), and a variable without a gradient: the same
@@ -250,7 +250,7 @@ def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
     monkeypatch.setattr(buffers, "length", buffers.size + 32)  # as if sharded: zeros past the last variable
     monkeypatch.setattr(buffers, "in_place", True)  # as on replicas that are CPUs of one process
     joined = tf.function(lambda: buffers.join(grads, scale))()
-    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
+    monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 16)
     in_place = tf.function(lambda: buffers.join(grads, scale), jit_compile=True)()
     assert written and in_place.shape == joined.shape == [buffers.size + 32]
     np.testing.assert_array_equal(in_place.numpy(), joined.numpy())
@@ -266,7 +266,7 @@ def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
 def test_writing_gradients_in_place_trains_the_same(two_replicas, monkeypatch):
     keras.config.set_dtype_policy("mixed_float16")
     joined, _ = _trained(True, two_replicas, "adam", epochs=1)
-    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 16)
+    monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 16)
     in_place, _ = _trained(True, two_replicas, "adam", epochs=1)
     assert engine.engine_of(in_place).buffers.in_place
     _assert_close(_raw(joined), _raw(in_place), rtol=0, atol=0)
@@ -275,8 +275,9 @@ def test_writing_gradients_in_place_trains_the_same(two_replicas, monkeypatch):
 def test_one_device_joins_the_gradient(monkeypatch):
     # One device's XLA computation has every core, and XLA:CPU runs an in-place
     # write on one thread: there the gradient is joined whatever the sizes.
-    monkeypatch.setattr(kmp.flat, "IN_PLACE_FROM", 1)
-    monkeypatch.setattr(kmp.flat.FlatBuffers, "_written_in_place", lambda self, parts: pytest.fail("written in place"))
+    monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 1)
+    monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "_written_in_place",
+                        lambda self, parts: pytest.fail("written in place"))
     model, _ = _trained(True, epochs=1, jit_compile=True)
     assert not engine.engine_of(model).buffers.in_place
 
@@ -392,7 +393,7 @@ def test_an_interrupted_fit_leaves_the_variables_current():
 
 
 def test_kmp_backup_resumes_exactly_with_buffers(tmp_path):
-    from kmp.backup import BackupAndRestore
+    from kmp.callbacks.backup import BackupAndRestore
 
     def job(directory, interrupt=False):
         model = kmp.prepare(_model(optimizer="adam", gradient_accumulation_steps=2), flat_buffers=True)
@@ -427,7 +428,7 @@ def test_a_new_compile_gets_new_buffers():
 
 
 def test_an_optimizer_without_a_flat_update_falls_back_with_a_note(caplog):
-    with caplog.at_level(logging.INFO, logger="kmp.distribute.fit"):
+    with caplog.at_level(logging.INFO, logger="kmp.engine.prepare"):
         model, logs = _trained("auto", optimizer="rmsprop", epochs=1)
     assert engine.engine_of(model) is None
     assert "flat buffers off for net, per-variable updates instead: RMSprop has no fused update" in caplog.text
@@ -435,7 +436,7 @@ def test_an_optimizer_without_a_flat_update_falls_back_with_a_note(caplog):
 
 
 def test_flat_buffers_true_warns_where_they_do_not_apply(caplog):
-    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"):
+    with caplog.at_level(logging.WARNING, logger="kmp.engine.prepare"):
         _trained(True, optimizer="rmsprop", epochs=1)
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "flat buffers off" in r.message]
 
@@ -477,7 +478,7 @@ def test_a_variable_without_gradient_is_not_updated_as_in_keras(caplog):
         model(np.zeros((1, FEATURES), "float32"))
         model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.AdamW(1e-2, weight_decay=0.1)), loss="mse")
         initial = np.array(model.unused.kernel)
-        with caplog.at_level(logging.WARNING, logger="kmp.flat"):
+        with caplog.at_level(logging.WARNING, logger="kmp.engine.buffers"):
             kmp.prepare(model, flat_buffers=flat).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
         assert (engine.engine_of(model) is not None) == flat
         np.testing.assert_array_equal(np.array(model.unused.kernel), initial)  # no step, no weight decay
@@ -495,7 +496,7 @@ def test_auto_keeps_large_variables_per_variable(caplog):
         return model
 
     x = np.random.RandomState(0).randn(16, 400).astype("float32")
-    with caplog.at_level(logging.INFO, logger="kmp.distribute.fit"):
+    with caplog.at_level(logging.INFO, logger="kmp.engine.prepare"):
         auto = kmp.prepare(large())
         auto.fit(x, x, batch_size=8, verbose=0)
     assert engine.engine_of(auto) is None
@@ -514,7 +515,7 @@ def test_a_custom_train_step_keeps_its_path_and_says_so(caplog):
     keras.utils.set_random_seed(0)
     model = Custom([keras.Input((FEATURES,)), keras.layers.Dense(1)], name="custom")
     model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
-    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"):
+    with caplog.at_level(logging.WARNING, logger="kmp.engine.prepare"):
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, verbose=0)
     assert engine.engine_of(model) is None
     assert "flat buffers off for custom, per-variable updates instead: the model has its own train_step" in caplog.text

@@ -1,5 +1,5 @@
 """Layers as real models have them, on every path kmp.prepare takes, and the
-fallback (kmp.distribute.fit) where a fast path cannot take a model.
+fallback (kmp.engine.prepare) where a fast path cannot take a model.
 
 The model below holds what keras-hub's transformers and keras.applications
 networks are made of: a tied embedding (a weight used twice, its gradient an
@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.distribute import replica_step
+from kmp.engine import replica_step
 
 VOCAB, SEQ, WIDTH, ROWS = 32, 6, 16, 32
 
@@ -85,7 +85,7 @@ def _train(policy, strategy=None, flat_buffers="auto", stock=False, no_xla=False
 def test_layers_of_real_models_train_on_both_paths_alike(policy, replicas, two_replicas):
     strategy = two_replicas if replicas == 2 else None
     flat, flat_losses = _train(policy, strategy, flat_buffers=True)
-    assert kmp.engine.engine_of(flat) is not None, "the flat buffers took the model"
+    assert kmp.engine.engine.engine_of(flat) is not None, "the flat buffers took the model"
     per_variable, losses = _train(policy, strategy, flat_buffers=False)
     assert np.all(np.isfinite(flat_losses)) and flat_losses[-1] < flat_losses[0]
     np.testing.assert_allclose(flat_losses, losses, rtol=2e-3)
@@ -99,7 +99,7 @@ def test_the_buffers_take_a_gradient_of_no_static_shape():
     """The tied table's gradient: IndexedSlices (the lookup) plus a dense one (the un-embedding)."""
     keras.config.set_dtype_policy("mixed_float16")
     model, _ = _train("mixed_float16", flat_buffers=True, epochs=1)
-    buffers = kmp.engine.engine_of(model).buffers
+    buffers = kmp.engine.engine.engine_of(model).buffers
     grads = [tf.IndexedSlices(tf.ones([2, WIDTH]), tf.constant([0, 3]), tf.constant([VOCAB, WIDTH]))
              if v.path.endswith("table") else (None if v.path.endswith("unused") else tf.zeros(v.shape))
              for v in model.trainable_variables]
@@ -140,13 +140,13 @@ def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeyp
     def failing(*_, **__):
         raise TypeError("a gradient the buffers cannot hold")
 
-    monkeypatch.setattr(kmp.flat.FlatBuffers, "join", failing)
+    monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "join", failing)
     with caplog.at_level(logging.WARNING, logger="kmp"):
         model, losses = _train("mixed_float16", flat_buffers=True)
     _, per_variable = _train("mixed_float16", flat_buffers=False)
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(lines) == 1 and "flat buffers off" in lines[0] and "cannot hold" in lines[0], lines
-    assert kmp.engine.engine_of(model) is None or replica_step.FLAT in replica_step.path_of(model)["dropped"]
+    assert kmp.engine.engine.engine_of(model) is None or replica_step.FLAT in replica_step.path_of(model)["dropped"]
     # Nothing was consumed by a failed trace: the same training as the per-variable path.
     np.testing.assert_allclose(losses, per_variable, rtol=1e-5)
 

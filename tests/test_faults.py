@@ -11,8 +11,8 @@ import tensorflow as tf
 import kmp
 from kmp.callbacks import LossScaleMonitor
 from kmp.errors import LossScaleError
-from kmp.gradients import clip_by_global_norm, global_norm
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.gradients import clip_by_global_norm, global_norm
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 
 class _InfLoss(keras.losses.Loss):

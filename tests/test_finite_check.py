@@ -1,4 +1,4 @@
-"""kmp.gradients.all_finite, the flat engine's overflow check: a finite sum answers at once, a sum that
+"""kmp.scaling.gradients.all_finite, the flat engine's overflow check: a finite sum answers at once, a sum that
 is not finite is checked element by element, so the answer is always reduce_all(is_finite).
 
 The steps it decides (skipped on inf or nan, on one device, on replicas, on shards) are in
@@ -11,7 +11,7 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kmp.gradients import all_finite
+from kmp.scaling.gradients import all_finite
 
 # Finite values of every size, the largest float32 (whose sums overflow), and the non-finite ones.
 _ELEMENTS = st.one_of(

@@ -1,4 +1,4 @@
-"""kmp.fused: parity with optimizer.apply, fallbacks, caching, replicas."""
+"""kmp.engine.fused: parity with optimizer.apply, fallbacks, caching, replicas."""
 
 import json
 import logging
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp import fused
-from kmp.fused import fused_apply, fused_support
+from kmp.engine import fused
+from kmp.engine.fused import fused_apply, fused_support
 
 SHAPES = {"kernel": (4, 3), "bias": (3,), "embedding": (2, 2, 2)}
 
@@ -129,7 +129,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import numpy as np
 import test_fused as t
-from kmp import fused
+from kmp.engine import fused
 same = {{}}
 for group_size in (fused.GROUP_SIZE, 2):
     fused.GROUP_SIZE = group_size
@@ -213,12 +213,12 @@ class _MyAdam(keras.optimizers.Adam):
 )
 def test_fallback_says_why_once_and_matches_apply(make, reason, caplog):
     assert reason in fused_support(make())
-    caplog.set_level(logging.INFO, logger="kmp.fused")
+    caplog.set_level(logging.INFO, logger="kmp.engine.fused")
     ours = _trajectory(make, fused_apply, in_function=False, steps=4)
     theirs = _trajectory(make, _keras_apply, in_function=False, steps=4)
     for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         np.testing.assert_array_equal(a, b)
-    notes = [r.getMessage() for r in caplog.records if r.name == "kmp.fused"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "kmp.engine.fused"]
     assert len(notes) == 1 and reason in notes[0] and "unfused" in notes[0]
 
 
@@ -228,7 +228,7 @@ def test_supported(name):
 
 
 def test_sparse_gradients_fall_back(caplog):
-    caplog.set_level(logging.INFO, logger="kmp.fused")
+    caplog.set_level(logging.INFO, logger="kmp.engine.fused")
     results = []
     for apply in (fused_apply, _keras_apply):
         table = keras.Variable(np.ones((4, 2), "float32"))
@@ -241,7 +241,7 @@ def test_sparse_gradients_fall_back(caplog):
 
 
 def test_constrained_variable_falls_back(caplog):
-    caplog.set_level(logging.INFO, logger="kmp.fused")
+    caplog.set_level(logging.INFO, logger="kmp.engine.fused")
     results = []
     for apply in (fused_apply, _keras_apply):
         v = keras.Variable(np.ones(3, "float32"), name="w")
@@ -370,7 +370,7 @@ def test_each_replica_updates_its_own_copies(two_replicas, via_merge_call, group
 
 def test_cross_replica_context_falls_back_to_keras(two_replicas, caplog):
     """Keras's apply cannot run there either: the error is Keras's own."""
-    caplog.set_level(logging.INFO, logger="kmp.fused")
+    caplog.set_level(logging.INFO, logger="kmp.engine.fused")
     with two_replicas.scope():
         v = keras.Variable(np.ones(2, "float32"))
         opt = keras.optimizers.SGD(1.0)

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kmp
-from kmp.optimizers import OPTIMIZERS, keras_arguments
-from kmp.schedules import PARAMETERS, REQUIRED, SCHEDULERS
+from kmp.config.optimizer_block import OPTIMIZERS, keras_arguments
+from kmp.schedules.formulas import PARAMETERS, REQUIRED, SCHEDULERS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

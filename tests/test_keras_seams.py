@@ -19,7 +19,8 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import fused, seams
+from kmp import seams
+from kmp.engine import fused
 from kmp.errors import KmpError
 
 
@@ -173,7 +174,7 @@ def test_public_routes_kmp_takes_are_the_same_objects():
 
 
 def test_trainer_internals_the_replica_step_and_prepare_use():
-    """kmp.distribute.replica_step rebuilds Keras's train_step from these parts; prepare swaps two methods."""
+    """kmp.engine.replica_step rebuilds Keras's train_step from these parts; prepare swaps two methods."""
     trainer = seams.get("TensorFlowTrainer")
     source = inspect.getsource(trainer.train_step)
     for part in ("self.optimizer.scale_loss(loss)", "self.optimizer.apply_gradients(", "self._compute_loss(",
@@ -197,7 +198,7 @@ def test_trainer_internals_the_replica_step_and_prepare_use():
 
 
 def test_a_layer_calls_the_call_on_its_instance():
-    """kmp.overflow_layer wraps `call` (or `quantized_call`) in a layer's __dict__ for one forward pass."""
+    """kmp.engine.overflow_layer wraps `call` (or `quantized_call`) in a layer's __dict__ for one forward pass."""
     operation = inspect.getsource(keras.Operation.__call__)
     assert "call_fn = self.call" in operation and "call_fn = self.quantized_call" in operation
     layer = keras.layers.Dense(2)
@@ -216,7 +217,7 @@ def test_a_layer_calls_the_call_on_its_instance():
 
 
 def test_optimizer_internals_the_fused_update_reads():
-    """kmp.fused reads Keras's optimizer state directly and redoes its update_step."""
+    """kmp.engine.fused reads Keras's optimizer state directly and redoes its update_step."""
     for kind in (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW):
         opt = kind(0.1, momentum=0.5) if kind is keras.optimizers.SGD else kind(0.1)
         variable = keras.Variable([1.0, 2.0], name="w")
@@ -237,7 +238,7 @@ def test_optimizer_internals_the_fused_update_reads():
     assert [opt._use_weight_decay(v) for v in variables] == [True, False, True]
 
 
-# kmp redoes these Keras functions op for op (kmp/fused.py, kmp/gradients.py).
+# kmp redoes these Keras functions op for op (kmp/engine/fused.py, kmp/scaling/gradients.py).
 # Fingerprints of their source (whitespace ignored): when one changes,
 # re-check kmp against it (tests/test_fused.py's parity tests show how far
 # apart they are), then update the fingerprint here.
@@ -266,13 +267,13 @@ def _fingerprint(function):
 @pytest.mark.parametrize("name", sorted(UPDATE_RULES))
 def test_update_rules_kmp_mirrors_are_unchanged(name):
     function, fingerprint = UPDATE_RULES[name]
-    if fingerprint is None:  # kmp.gradients has the same source, bar names
+    if fingerprint is None:  # kmp.scaling.gradients has the same source, bar names
         return
-    assert _fingerprint(function()) == fingerprint, f"Keras changed {name}: re-check kmp/fused.py against it"
+    assert _fingerprint(function()) == fingerprint, f"Keras changed {name}: re-check kmp/engine/fused.py against it"
 
 
 def test_kmp_global_norm_clip_equals_keras_bit_for_bit():
-    from kmp import gradients
+    from kmp.scaling import gradients
 
     keras_clip = _keras_private("keras.src.optimizers.base_optimizer", "clip_by_global_norm")
     grads = [tf.constant(np.linspace(-3, 5, 7, dtype="float32")), tf.constant([[1e3, -2e-3]], "float32")]

@@ -1,4 +1,4 @@
-"""kmp.launch and `kmp launch`: local workers with their TF_CONFIG, stopped together; DeepSpeed hostfiles."""
+"""kmp.cli.launch and `kmp launch`: local workers with their TF_CONFIG, stopped together; DeepSpeed hostfiles."""
 
 import io
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kmp import launch
+from kmp.cli import launch
 from kmp.errors import KmpError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def test_the_cli_end_to_end(tmp_path):
         print("worker says", index)
         sys.exit(3 if index == 1 and "--fail" in sys.argv else 0)
     """)
-    run = lambda *args: subprocess.run([sys.executable, "-m", "kmp.cli", "launch", *args], env=_environ(),  # noqa
+    run = lambda *args: subprocess.run([sys.executable, "-m", "kmp.cli.main", "launch", *args], env=_environ(),  # noqa
                                        capture_output=True, text=True, timeout=120)
     ok = run("--workers", "2", str(script))
     assert ok.returncode == 0, ok.stderr
@@ -171,7 +171,7 @@ def test_the_cli_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_the_multiworker_recipe_runs_under_kmp_launch():
     """Two real TensorFlow workers (MultiWorkerMirroredStrategy) of recipes/multiworker.py."""
-    done = subprocess.run([sys.executable, "-m", "kmp.cli", "launch", "--workers", "2", "--timeout", "300",
+    done = subprocess.run([sys.executable, "-m", "kmp.cli.main", "launch", "--workers", "2", "--timeout", "300",
                            "recipes/multiworker.py", "--epochs", "1"], env=_environ(), cwd=ROOT,
                           capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -194,7 +194,7 @@ def test_the_causal_lm_recipe_runs_under_kmp_launch(tmp_path):
         with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
             runpy.run_path(sys.argv[0], run_name="__main__")
     """)
-    done = subprocess.run([sys.executable, "-m", "kmp.cli", "launch", "--workers", "2", "--timeout", "300",
+    done = subprocess.run([sys.executable, "-m", "kmp.cli.main", "launch", "--workers", "2", "--timeout", "300",
                            str(worker), "--steps", "2", "--batch-size", "4", "--length", "32"],
                           env=_environ(), cwd=ROOT, capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,15 +5,18 @@ Each case lists the flags (C = clean, O = overflow) and the expected
 from ../shared/spec/loss-scaling.md.
 """
 
+import dataclasses
+import inspect
 import random
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.config import LossScaleConfig
-from kmp.loss_scale import adjust, floor_message, initial_state, run
-from kmp.gradients import typed_where
+from kmp.config.settings import LossScaleConfig
+from kmp.scaling.gradients import typed_where
+from kmp.scaling.optimizer import LossScaleOptimizer
+from kmp.scaling.state import adjust, floor_message, initial_state, run
 
 C, O = True, False
 
@@ -163,3 +166,11 @@ def test_floor_message_names_the_scale_and_the_remedies():
 def test_typed_where_keeps_the_tensor_dtype():
     out = typed_where(tf.constant(True), 3, tf.constant(np.int64(5)))
     assert out.dtype == tf.int64 and int(out) == 3
+
+
+def test_optimizer_keyword_defaults_are_the_configs():
+    """LossScaleOptimizer's loss-scale keywords default to LossScaleConfig's fields, every one of them."""
+    parameters = inspect.signature(LossScaleOptimizer.__init__).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(LossScaleConfig)}
+    assert fields.keys() <= parameters.keys()
+    assert {name: parameters[name].default for name in fields} == fields

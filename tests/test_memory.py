@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp import engine, memory, zero
-from kmp.cli import main
+from kmp.engine import engine
+from kmp.memory import estimate as memory
+from kmp.engine import zero
+from kmp.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore:precision 'mixed_float16' on CPU")
@@ -71,7 +73,7 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
 
     strategy = request.getfixturevalue("two_replicas") if replicas == 2 else tf.distribute.get_strategy()
     model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage)
-    # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.flat).
+    # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.engine.buffers).
     in_shards = replicas == 2 and bool(flat_buffers)
     assert engine.engine_of(model) is None or engine.engine_of(model).buffers.sharded == in_shards
     assert engine.engine_of(model) is None or engine.engine_of(model).buffers.zero == bool(stage)
@@ -87,15 +89,15 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
         assert allocated == expected, device
     # By hand: float32 masters only (mixed precision keeps no 16-bit copy), the slots, the sums, the buffers.
     slots = {"sgd_momentum": 1, "adam": 2, "adamw": 2, "lamb": 2}[estimate.optimizer]
-    # The flat buffers pad 227 parameters to whole units of 16 elements: 240 (kmp.flat, ALIGN).
+    # The flat buffers pad 227 parameters to whole units of 16 elements: 240 (kmp.engine.buffers, ALIGN).
     flat = -(-PARAMETERS // 16) * 16
-    segment_ids = 4 * flat if estimate.optimizer == "lamb" else 0  # kmp.flat's per-element ids
+    segment_ids = 4 * flat if estimate.optimizer == "lamb" else 0  # kmp.engine.buffers's per-element ids
     sums = 4 * PARAMETERS if accumulation else 0
     assert (estimate.parameters, estimate.replicas, estimate.precision) == (PARAMETERS, replicas, precision)
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
     shard = -(-flat // 32) * 16 if in_shards else flat  # 128 of 240: two shards of whole units
-    # At stage 1 Keras's copy of the slots is held once in host memory, on no replica's device (kmp.zero).
+    # At stage 1 Keras's copy of the slots is held once in host memory, on no replica's device (kmp.engine.zero).
     held = 4 * slots * PARAMETERS
     state, host = (0, held) if stage else (held, 0)
     assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, state, sums)
@@ -152,7 +154,7 @@ def test_stage_1_divides_the_flat_slot_copies(replicas):
     zero = kmp.memory_estimate(n, replicas=replicas, flat_buffers=True)
     one = kmp.memory_estimate(n, replicas=replicas, stage=1, flat_buffers=True)
     # The flat slots the step updates are sharded; Keras's slot variables (the observable copy) stay
-    # whole, held once in host memory at stage 1 instead of on every replica (kmp.zero).
+    # whole, held once in host memory at stage 1 instead of on every replica (kmp.engine.zero).
     assert zero.optimizer_state == 8 * n and zero.host == 0
     assert (one.optimizer_state, one.host) == ((0, 8 * n) if replicas > 1 else (8 * n, 0))
     assert zero.flat_copies == 4 * flat + 8 * flat and one.flat_copies == 4 * flat + 8 * shard  # the weights stay whole
@@ -208,7 +210,7 @@ ERRORS = [
     ({"optimizer": "sgd", "states": "8bit"}, "8-bit states are for adam and adamw"),
     ({"optimizer": "adamm"}, "Did you mean 'adam'?"),
     ({"optimizer": keras.optimizers.Adafactor()}, "Received: optimizer='Adafactor'"),
-    ({"optimizer": "rmsprop", "flat_buffers": True}, "kmp.flat updates sgd"),
+    ({"optimizer": "rmsprop", "flat_buffers": True}, "kmp.engine.buffers updates sgd"),
     ({"precision": "float16", "flat_buffers": True}, "the buffers hold float32"),
     ({"precision": "fp8"}, "Received: precision='fp8'"),
     ({"replicas": 0}, "replicas: expected an integer >= 1. Received: replicas=0"),
@@ -272,7 +274,7 @@ def test_kmp_memory_refuses_bad_input(capsys):
 
 
 def test_kmp_memory_imports_no_tensorflow():
-    code = ("import sys\nfrom kmp.cli import main\nmain(['memory', '--params', '7e9', '--replicas', '8'])\n"
+    code = ("import sys\nfrom kmp.cli.main import main\nmain(['memory', '--params', '7e9', '--replicas', '8'])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,5 @@
-"""kmp.momentum: OneCycle's momentum cycling drives Adam-family beta_1 per applied update, as DeepSpeed's betas."""
+"""kmp.schedules.momentum: OneCycle's momentum cycling drives Adam-family beta_1 per applied update, as
+DeepSpeed's betas."""
 
 import warnings
 
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.momentum import MomentumCycledAdam
-from kmp.schedules import parse_scheduler
+from kmp.schedules.momentum import MomentumCycledAdam
+from kmp.schedules.formulas import parse_scheduler
 
 ONE_CYCLE = {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 3,
                                              "cycle_min_mom": 0.8, "cycle_max_mom": 0.95}}

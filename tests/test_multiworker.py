@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.launch import LocalJob
+from kmp.cli.launch import LocalJob
 
 # One xdist worker runs the module: its fixtures (two worker processes, references) are computed once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiworker")]
@@ -211,7 +211,7 @@ def test_several_steps_per_execution_train_as_one_step_per_call(workers):
 
 
 def test_backup_and_restore_resumes_an_open_window_bit_for_bit(workers):
-    """kmp.backup.BackupAndRestore gathers every worker's window sums: a job
+    """kmp.callbacks.BackupAndRestore gathers every worker's window sums: a job
     interrupted after step 8 (backup after step 5, 2 micro-batches into a
     window of 3, with the overflow of step 7 in the span redone), then after
     step 11 (backup after step 10, 1 micro-batch in), ends byte-identical to
@@ -311,7 +311,7 @@ def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_sha
 
 
 def test_wall_clock_breakdown_prints_on_the_chief_and_logs_on_every_worker(workers):
-    """kmp.wall_clock's stamps travel through the logs' reduction across workers (float64, replica axis)."""
+    """kmp.engine.wall_clock's stamps travel through the logs' reduction across workers (float64, replica axis)."""
     chief, other = (w["wall_clock_breakdown"] for w in workers)
     assert [line.split(" time")[0] for line in chief["lines"]] == ["kmp: steps 1-3", "kmp: steps 4-6"]
     assert other["lines"] == []  # printed on the chief only, as DeepSpeed prints on rank 0
@@ -320,7 +320,7 @@ def test_wall_clock_breakdown_prints_on_the_chief_and_logs_on_every_worker(worke
     assert chief["total_ms"] > 0 and other["total_ms"] > 0
 
 
-# --- ZeRO stage 1 across the workers (kmp.zero) ---
+# --- ZeRO stage 1 across the workers (kmp.engine.zero) ---
 
 
 def test_zero_stage_1_across_workers_trains_as_stage_0(workers):
@@ -353,7 +353,7 @@ def test_the_gradient_is_reduce_scattered_by_tensorflows_all_to_all(workers):
 
 
 def test_each_worker_device_holds_half_the_flat_state_and_keras_copy_once(workers):
-    # 577 parameters, Adam: the flat buffers hold 592 (whole units of 16, kmp.flat), a shard 304
+    # 577 parameters, Adam: the flat buffers hold 592 (whole units of 16, kmp.engine.buffers), a shard 304
     # elements of each moment (two units of 16 rounded up).
     for task, w in enumerate(workers):
         held = w["zero_stage1"]["saved"]["bytes"]

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.config import LossScaleConfig
+from kmp.config.settings import LossScaleConfig
 from kmp.errors import ConfigError, LossScaleError
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 INF = np.float32(np.inf)
 
@@ -46,7 +46,7 @@ def test_trajectory_matches_keras(inner, fused):
     """Defaults (H=1), scale never at the floor: same scale, weights, iterations.
 
     Bit for bit with Keras's update; fused, XLA contracts a*b+c into one FMA
-    (kmp.fused), so the weights agree to rounding.
+    (kmp.engine.fused), so the weights agree to rounding.
     """
     grads_seq = _grad_sequence(23)
     make = lambda: keras.optimizers.get({"class_name": inner, "config": {"learning_rate": 0.01}})
@@ -255,7 +255,7 @@ def test_checkpoint_round_trip_restores_the_state(tmp_path):
 
 
 def test_fit_in_mixed_float16_reaches_float32_accuracy():
-    from kmp.datasets import load_digits
+    from kmp.data.datasets import load_digits
 
     (x, y), (xt, yt) = load_digits()
 

@@ -1,4 +1,4 @@
-"""kmp.optimizers: DeepSpeed's optimizer block -> the Keras optimizer, with DeepSpeed's defaults."""
+"""kmp.config.optimizer_block: DeepSpeed's optimizer block -> the Keras optimizer, with DeepSpeed's defaults."""
 
 import re
 import warnings
@@ -8,7 +8,7 @@ import keras
 import pytest
 
 import kmp
-from kmp.optimizers import build_optimizer, check, keras_arguments
+from kmp.config.optimizer_block import build_optimizer, check, keras_arguments
 
 CORPUS = Path(__file__).parent / "data" / "deepspeed_configs"
 

@@ -1,4 +1,4 @@
-"""Which layer overflowed: kmp.find_overflow (eager) and the prepared fit() step (kmp/overflow_layer.py).
+"""Which layer overflowed: kmp.find_overflow (eager) and the prepared fit() step (kmp/engine/overflow_layer.py).
 
 The float16 models here have one middle Dense layer, `d2`, whose output
 exceeds float16's 65504 on a crafted batch while its inputs are finite:
@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import overflow_layer
+from kmp.engine import overflow_layer
 from kmp.callbacks import LossScaleMonitor
 
 HOT, COLD = 100.0, 1.0
@@ -231,7 +231,7 @@ def test_a_failing_diagnosis_warns_and_training_goes_on(monkeypatch, caplog):
     monkeypatch.setattr(overflow_layer, "forward_notes", broken)
     model = kmp.prepare(_compiled(_craft(_functional())))
     x, y = (np.concatenate(parts) for parts in zip(_batch(), _batch(hot=[3]), _batch()))
-    with caplog.at_level("WARNING", logger="kmp.overflow_layer"):
+    with caplog.at_level("WARNING", logger="kmp.engine.overflow_layer"):
         history = _fit(model, x, y)
     assert history.history["overflows"] == [1.0] and history.history["overflow_layer"] == [-1.0]
     assert int(model.optimizer.iterations.numpy()) == 2

@@ -1,4 +1,4 @@
-"""kmp.plot and `kmp demo --plot`: a real PNG of the run it claims to show."""
+"""kmp.callbacks.plot and `kmp demo --plot`: a real PNG of the run it claims to show."""
 
 import contextlib
 import io
@@ -10,7 +10,7 @@ from matplotlib import image, pyplot
 from PIL import Image
 
 import kmp
-from kmp import cli
+from kmp.cli import main as cli
 from kmp.callbacks import LossScaleMonitor
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

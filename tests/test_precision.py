@@ -10,7 +10,7 @@ import pytest
 
 import kmp
 
-from kmp.config import Config
+from kmp.config.settings import Config
 from kmp.errors import ConfigError
 from kmp.precision import (
     Hardware,

@@ -1,4 +1,5 @@
-"""kmp.quantize: bitsandbytes' dynamic maps, block-wise 8-bit round trips, XLA, and an independent numpy reference."""
+"""kmp.scaling.quantize: bitsandbytes' dynamic maps, block-wise 8-bit round trips, XLA, and an independent
+numpy reference."""
 
 import math
 import re
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kmp import quantize as kq
+from kmp.scaling import quantize as kq
 
 MAPS = {"signed": True, "unsigned": False}
 SLACK = 2.0 ** -22  # float32 rounding of x / absmax and of code * absmax: 4 ulps of absmax covers both
@@ -25,7 +26,7 @@ def _half_gap(code) -> float:
 
 
 def _reference(x, code, block_size=256):
-    """numpy, written apart from kmp.quantize: argmin |code - x / absmax| per element (np.argmin takes the first
+    """numpy, written apart from kmp.scaling.quantize: argmin |code - x / absmax| per element (np.argmin takes the first
     minimum, so a tie goes to the lower index, as the module's lower-bound search does); absmax 0 below 2**-126."""
     n = len(x)
     blocks = math.ceil(n / block_size)

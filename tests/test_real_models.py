@@ -33,7 +33,7 @@ import tensorflow as tf
 
 import kmp
 import real_models
-from kmp.distribute import replica_step
+from kmp.engine import replica_step
 from real_models import CASES
 
 pytest.importorskip("keras_hub")
@@ -199,7 +199,7 @@ def test_real_models_train_on_two_workers(tmp_path, record_property):
     import sys
     from pathlib import Path
 
-    from kmp.launch import LocalJob
+    from kmp.cli.launch import LocalJob
 
     root = Path(__file__).resolve().parent.parent
     specs = [":".join(c) for c in MULTI_WORKER]

@@ -1,4 +1,4 @@
-"""kmp.distribute.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs).
+"""kmp.engine.replica_step: fit() with XLA per replica under MirroredStrategy (two logical CPUs).
 
 The per-variable path (flat_buffers=False): tests/test_engine.py covers the flat buffers.
 """
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.distribute import replica_step
+from kmp.engine import replica_step
 from kmp.errors import ConfigError
 
 RNG = np.random.default_rng(0)
@@ -253,7 +253,7 @@ def _sgd_trajectory(strategy, batch_size, flat, sample_weight=None, accumulation
         kmp.prepare(model, flat_buffers=flat)
     history = model.fit(X[:7], Y[:7], batch_size=batch_size, epochs=2, sample_weight=sample_weight, shuffle=False,
                         verbose=0)
-    assert flat == (strategy is not None and kmp.engine.engine_of(model) is not None)
+    assert flat == (strategy is not None and kmp.engine.engine.engine_of(model) is not None)
     return model.get_weights(), history.history["loss"]
 
 

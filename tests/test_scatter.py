@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kmp
-from kmp import engine
-from kmp.config import Communication
+from kmp.engine import engine
+from kmp.config.settings import Communication
 from kmp.distribute import scatter
-from kmp.gradients import global_norm, norm_of_parts, norm_parts
+from kmp.scaling.gradients import global_norm, norm_of_parts, norm_parts
 from test_engine import _model
 
 SHARD = 6
@@ -145,7 +145,7 @@ def test_each_shards_flags_combine_to_the_whole_gradients(two_replicas, jit_comp
 
 def test_an_inf_in_the_second_shard_alone_skips_the_step_on_every_replica_and_names_its_variable(two_replicas):
     """Only replica 1 checks the shard that holds the inf; replica 0 takes the same decision from the
-    gathered rows, and the overflow names the variable (kmp.optimizer's _shard_check)."""
+    gathered rows, and the overflow names the variable (kmp.scaling.optimizer's _shard_check)."""
     model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=True)
     model.fit(*_data_of(16), batch_size=8, epochs=1, verbose=0)
     buffers, optimizer = engine.engine_of(model).buffers, model.optimizer

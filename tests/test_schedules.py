@@ -1,4 +1,4 @@
-"""kmp.schedules and kmp.lr_schedule against DeepSpeed's own schedulers.
+"""kmp.schedules.formulas and kmp.schedules.keras against DeepSpeed's own schedulers.
 
 The goldens (tests/data/deepspeed_lr_goldens.json, see tests/data/README.md)
 were recorded by running DeepSpeed's lr_schedules.py on a torch optimizer,
@@ -24,8 +24,8 @@ from keras import ops
 
 import kmp
 from kmp.errors import ConfigError
-from kmp.lr_schedule import DeepSpeedLearningRate, DeepSpeedMomentum, build_schedule
-from kmp.schedules import ONE_CYCLE_BETA_2, PARAMETERS, REQUIRED, SCHEDULERS, Schedule, parse_scheduler
+from kmp.schedules.keras import DeepSpeedLearningRate, DeepSpeedMomentum, build_schedule
+from kmp.schedules.formulas import ONE_CYCLE_BETA_2, PARAMETERS, REQUIRED, SCHEDULERS, Schedule, parse_scheduler
 
 ROOT = Path(__file__).parent.parent
 GOLDENS = json.loads((ROOT / "tests" / "data" / "deepspeed_lr_goldens.json").read_text())
@@ -396,7 +396,7 @@ def test_milestones_bracket_each_phase():
 
 
 def test_schedules_module_imports_no_tensorflow_keras_or_numpy():
-    tree = ast.parse((ROOT / "kmp" / "schedules.py").read_text())
+    tree = ast.parse((ROOT / "kmp" / "schedules" / "formulas.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {n.split(".")[0] for n in names} & {"tensorflow", "keras", "tf_keras", "numpy"}
@@ -404,7 +404,7 @@ def test_schedules_module_imports_no_tensorflow_keras_or_numpy():
     script = (
         "import sys, types\n"
         f"package = types.ModuleType('kmp'); package.__path__ = [{str(ROOT / 'kmp')!r}]; sys.modules['kmp'] = package\n"
-        "from kmp.schedules import parse_scheduler\n"
+        "from kmp.schedules.formulas import parse_scheduler\n"
         "s = parse_scheduler({'type': 'WarmupLR', 'params': {'warmup_max_lr': 0.1, 'warmup_num_steps': 4}})\n"
         "print([s.lr_at(k) for k in s.milestones()])\n"
         "assert not {'tensorflow', 'keras', 'numpy'} & set(sys.modules), sorted(sys.modules)\n"

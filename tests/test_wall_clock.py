@@ -1,4 +1,4 @@
-"""kmp.wall_clock: DeepSpeed's wall_clock_breakdown for fit(), on one device and under MirroredStrategy."""
+"""kmp.engine.wall_clock: DeepSpeed's wall_clock_breakdown for fit(), on one device and under MirroredStrategy."""
 
 import math
 import re
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import wall_clock
+from kmp.engine import wall_clock
 
 PART_KEYS = [f"wall_clock/{p}_ms" for p in wall_clock.PARTS]
 LINE = re.compile(r"^kmp: steps (\d+)-(\d+) time \(ms\)((?: \| \w+: (?:n/a|-?\d+\.\d\d))+)$")

@@ -6,7 +6,7 @@ job finishes with nothing lost beyond the last backup, and the result equals
 an uninterrupted run's."
 
 The job is tests/failure_worker.py (mixed float16, kmp.wrap(Adam) with
-dynamic loss scaling, kmp.prepare, kmp.backup.BackupAndRestore every 5
+dynamic loss scaling, kmp.prepare, kmp.callbacks.BackupAndRestore every 5
 steps, 3 epochs of 6 steps; the first step of each epoch overflows). This
 file acts as the cluster manager:
 
@@ -41,10 +41,10 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.backup import BackupAndRestore, BackupError, read_backup
-# kmp.launch's ports and TF_CONFIG; the processes are started here, one by one, since the
-# test restarts a single worker into a running job (kmp.launch.LocalJob starts and stops them all).
-from kmp.launch import free_ports, tf_config
+from kmp.callbacks.backup import BackupAndRestore, BackupError, read_backup
+# kmp.cli.launch's ports and TF_CONFIG; the processes are started here, one by one, since the
+# test restarts a single worker into a running job (kmp.cli.launch.LocalJob starts and stops them all).
+from kmp.cli.launch import free_ports, tf_config
 
 # One xdist worker runs the module: its fixtures (killed and reference jobs) are computed once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("worker_failure"),
@@ -439,7 +439,7 @@ def test_keras_backup_and_restore_resumes_at_the_wrong_step(two_replicas, in_pro
     """Keras 3.15's callback restores the weights and optimizer state of the
     backup after step 5 but restarts that epoch at its first batch: steps 1-5
     are trained twice. When this fails, Keras may have fixed it: check whether
-    kmp.backup is still needed."""
+    kmp.callbacks.backup is still needed."""
     directory = tmp_path / "keras"
     assert _fit(two_replicas, keras.callbacks.BackupAndRestore(directory, save_freq=5), interrupt_at=9) is None
     assert json.loads((directory / "training_metadata.json").read_text()) == {"epoch": 0, "batch": 4}

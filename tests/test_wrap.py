@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.optimizer import LossScaleOptimizer
+from kmp.scaling.optimizer import LossScaleOptimizer
 
 
 def test_float16_policy_gets_a_loss_scale_optimizer_with_python_defaults():

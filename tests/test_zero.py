@@ -1,4 +1,4 @@
-"""ZeRO stage 1 on the flat buffers (kmp.flat): the optimizer state in shards, the same training.
+"""ZeRO stage 1 on the flat buffers (kmp.engine.buffers): the optimizer state in shards, the same training.
 
 Each test trains the same model from the same seed on the flat-buffer
 engine under MirroredStrategy on two logical CPUs, at `zero_stage=0` and
@@ -18,7 +18,8 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp import engine, zero
+from kmp.engine import engine
+from kmp.engine import zero
 from test_engine import _WithUnused, _data, _Interrupt, _model, _raw, _trained
 
 
@@ -57,15 +58,15 @@ def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
     # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
     assert buffers.sharded and engine.engine_of(whole).buffers.sharded
     local = two_replicas.experimental_local_results
-    # 161 parameters, padded to whole units of 16 elements (kmp.flat, ALIGN): 176,
+    # 161 parameters, padded to whole units of 16 elements (kmp.engine.buffers, ALIGN): 176,
     # and two shards of 96. In blocks of 8 (8-bit states) each variable is padded
     # to whole blocks first (168), then the same; one scale per block.
     size, shard = 176, 96
-    # Replicas of one process (logical CPUs) hold the weights in shards too (kmp.flat, weight_shards).
+    # Replicas of one process (logical CPUs) hold the weights in shards too (kmp.engine.buffers, weight_shards).
     assert buffers.weight_shards
     for name, variable in buffers.buffers.items():
         in_shards = name in buffers.slot_names or name == "weights"
-        # The sums add up the flat gradient, zero padded to two whole shards (kmp.flat, `length`).
+        # The sums add up the flat gradient, zero padded to two whole shards (kmp.engine.buffers, `length`).
         whole_length = 2 * shard if name == "sums" else size
         expected = [whole_length] if not in_shards else [shard // 8] if "scales" in name else [shard]
         assert [c.shape.as_list() for c in local(variable)] == [expected, expected], name
@@ -167,7 +168,7 @@ def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas, optimizer)
 
 
 def test_kmp_backup_resumes_exactly_at_stage_1(tmp_path, two_replicas):
-    from kmp.backup import BackupAndRestore
+    from kmp.callbacks.backup import BackupAndRestore
 
     def job(directory, interrupt=False):
         model = kmp.prepare(_model(two_replicas, "adam", gradient_accumulation_steps=2, zero_stage=1),
@@ -216,7 +217,7 @@ def test_without_the_flat_buffers_it_says_the_state_stays_whole(two_replicas):
 
 
 def test_lamb_keeps_whole_variables_and_says_why(two_replicas, caplog):
-    with caplog.at_level(logging.WARNING, logger="kmp.distribute.fit"), warnings.catch_warnings():
+    with caplog.at_level(logging.WARNING, logger="kmp.engine.prepare"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, logs = _trained(True, two_replicas, "lamb", epochs=1, wrap_args={"zero_stage": 1})
     assert engine.engine_of(model) is None
@@ -258,7 +259,7 @@ import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 3)
 import keras, numpy as np, kmp
-from kmp import engine
+from kmp.engine import engine
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:2"])  # CPU:0, the host, holds no replica
 with strategy.scope():

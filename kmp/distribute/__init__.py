@@ -2,24 +2,27 @@
 
     strategy.py       resolve_strategy: which strategy the machine and cluster call for
     communication.py  all_reduce_sum: the gradient all-reduce, flat buckets, wire dtype
-    fit.py            prepare(model): fit() under strategies (multi-worker, steps_per_execution)
-    replica_step.py   the per-replica XLA train step that prepare() installs
+    scatter.py        the flat gradient's reduce-scatter and gather (ZeRO stage 1)
+    same_start.py     variables made alike on every worker
     tpu.py            tpu_settings: bfloat16, steps per execution, padded sizes (seams only)
 
-Everything users type is re-exported here; the modules' other names are private.
+A leaf below kmp.scaling and kmp.engine: may import kmp.config, kmp.precision
+and the leaves, never kmp.scaling, kmp.engine, kmp.memory, kmp.callbacks or
+kmp.cli. `prepare`, `is_prepared` and `local_batch` live in kmp.engine.prepare
+and are reached here when first used (PEP 562), so importing a module of this
+package does not import the engine. Everything users type is named here; the
+modules' other names are private.
 """
 
+import importlib
+
 from kmp.distribute.communication import all_reduce_sum
-from kmp.distribute.fit import is_prepared, local_batch, prepare
 from kmp.distribute.strategy import STRATEGIES, resolve_strategy, strategy_from_config
-from kmp.distribute.tpu import (
-    TPU_STEPS_PER_EXECUTION,
-    TPU_TILE,
-    TpuSettings,
-    is_tpu_strategy,
-    padded_sizes,
-    tpu_settings,
-)
+from kmp.distribute.tpu import (TPU_STEPS_PER_EXECUTION, TPU_TILE, TpuSettings, is_tpu_strategy, padded_sizes,
+                                tpu_settings)
+
+# Names defined above this package (kmp.engine imports kmp.distribute).
+_LATER = {"is_prepared": "kmp.engine.prepare", "local_batch": "kmp.engine.prepare", "prepare": "kmp.engine.prepare"}
 
 __all__ = [
     "STRATEGIES",
@@ -36,3 +39,15 @@ __all__ = [
     "strategy_from_config",
     "tpu_settings",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LATER:
+        raise AttributeError(f"module 'kmp.distribute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LATER[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kmp.config import Communication
+from kmp.config.settings import Communication
 
 
 def all_reduce_sum(grads: list, communication: Communication | None = None, loss_scale=None) -> list:

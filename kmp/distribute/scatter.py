@@ -5,11 +5,11 @@
     rows = gather_rows(vector)
         # every replica's small vector, stacked in replica order: [N, length], on every replica
 
-Used where each replica updates its shard of the flat buffers (kmp.flat's
+Used where each replica updates its shard of the flat buffers (kmp.engine.buffers's
 `sharded`: ZeRO stage 1, and replicas that are CPUs of one process at any
 stage): a replica then needs only its shard of the summed gradient, and the
 overflow decision, the clip norm and the names of overflowing variables are
-a few numbers per shard (kmp.optimizer's `_shard_check`).
+a few numbers per shard (kmp.scaling.optimizer's `_shard_check`).
 
 How the shards are summed, by where the replicas are:
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from kmp import seams
-from kmp.config import Communication
+from kmp.config.settings import Communication
 from kmp.distribute.communication import all_reduce_sum, chunks, cpus_of_one_process, in_transit
 
 

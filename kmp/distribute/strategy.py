@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, Union
 
 import tensorflow as tf
 
-from kmp.config import STRATEGIES, Config, StrategyName
-from kmp.deepspeed import load_config
+from kmp.config.deepspeed import load_config
+from kmp.config.settings import STRATEGIES, Config, StrategyName
 from kmp.errors import Problem, check, did_you_mean
 from kmp.values import is_int, key_name
 

@@ -1,0 +1,355 @@
+"""Training callbacks. `LossScaleMonitor`: the loss-scale state in the logs,
+and the floor check that XLA compiles away.
+
+    model.fit(data, callbacks=[kmp.callbacks.LossScaleMonitor(), keras.callbacks.TensorBoard("logs")])
+
+Why the monitor adds its values where the logs are made
+-------------------------------------------------------
+In Keras 3.15 (`keras/src/callbacks/callback_list.py`) every event builds one
+fresh dict of Python floats and hands that same dict to the callbacks in list
+order; the `History` and the progress bar are appended after the user's
+callbacks, and no callback can reach its siblings (the list lives inside
+`fit()`). A callback that writes into that dict is seen only by the callbacks
+after it: a `TensorBoard`, `CSVLogger` or `History` placed before it misses
+the values. So, for the duration of `fit()`, the monitor wraps
+`model.train_function` (built before `on_train_begin`) and adds the state to
+the logs that function returns. Every callback, wherever it sits, then sees
+`loss_scale`, `overflows`, `skipped_steps` and (kmp's optimizer only)
+`hysteresis_left`: the progress bar, `History.history` (the state after each
+epoch's last step), TensorBoard's `epoch_*` and, with `update_freq="batch"` or
+an int, `batch_*` scalars, `EarlyStopping(monitor="loss_scale")`.
+`on_train_end` puts the original function back. With more keys in the step's
+logs than `model.metrics` has, Keras takes the epoch logs from the last step's
+logs instead of asking the metrics again; on TensorFlow these are the same
+values (a train step returns `get_metrics_result()`).
+
+Keras's `TensorBoard` callback needs the `tensorboard` package for its
+scalars, which TensorFlow 2.21 no longer installs: `pip install
+"kmp[tensorboard]"` (tests/test_callbacks.py reads its event files back).
+
+Cost: after each execution of the training function the monitor takes device
+snapshots of the scalars (no host copy); Keras copies them to the host with
+the loss, in the conversion it already does after every batch (synchronously:
+on TensorFlow Keras dispatches no callback asynchronously). The monitor copies
+state to the host itself, in one stacked copy, only after executions that
+could hold a stuck step: those that start fewer than `steps_per_execution`
+overflows away from the floor, counted from the last state it read
+(`steps_clear_of_floor`). Far from the floor that is almost never; at the
+floor it is after every execution, and Keras then gets Python numbers and
+copies nothing more.
+
+The floor check (kmp's optimizer with a dynamic scale and
+`raise_at_min_scale=True`)
+-----------------------------------------------------------------------
+An XLA-compiled step cannot raise: the stuck step is skipped, the scale stays
+at the floor, and training would go on skipping. From the state before and
+after an execution of `k <= steps_per_execution` steps:
+
+    overflows = after.overflows - before.overflows
+    clean     = after.iterations - before.iterations  # skipped steps do not count
+    if overflows and before.scale <= min_scale and before.hysteresis_left <= 1:
+        if after.good_steps == clean:          # the execution began with an overflow
+            raise LossScaleError
+        if no clean step in it could grow the scale or refill hysteresis:
+            raise LossScaleError               # every overflow in it was at the floor
+
+With `steps_per_execution=1` this is exact. With more, it raises only when
+certain: a stuck step that follows a clean step able to grow the scale or
+refill the hysteresis in the same execution goes unreported (the state alone
+cannot tell it from an overflow after a growth). If the overflows persist, the
+next execution that begins with one is reported. Outside XLA the optimizer
+raises first and the check never fires.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import keras
+import tensorflow as tf
+
+from kmp import values
+from kmp.engine import overflow_layer
+from kmp.errors import LossScaleError, Problem, check
+from kmp.scaling import overflow
+from kmp.scaling import state as loss_scale
+from kmp.scaling.state import WindowState, steps_clear_of_floor, stuck_in_window
+
+__all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
+
+# Log key -> optimizer attribute. Keras's LossScaleOptimizer has only the first.
+_SCALE_STATE = {
+    "loss_scale": "dynamic_scale",
+    "hysteresis_left": "hysteresis_left",
+    "overflows": "overflows",
+    "skipped_steps": "skipped_steps",
+}
+# Also logged: where the last overflow was (kmp's optimizer only).
+_LOGGED = _SCALE_STATE | {"overflow_variable": "overflow_variable"}
+# Everything the floor check reads (kmp's optimizer only).
+_CHECKED = _SCALE_STATE | {"good_steps": "good_steps", "iterations": "iterations"}
+
+
+def to_host(tensors: list) -> list[float]:
+    """Scalars to Python floats in one device-to-host copy."""
+    if not tensors:
+        return []
+    return tf.stack([tf.cast(t, tf.float64) for t in tensors]).numpy().tolist()
+
+
+class _Probe:
+    """Reads one LossScaleOptimizer's state after each execution of the step.
+
+    `known` is the host state at the start of the next execution, or of an
+    earlier one when `unchecked_steps` steps have run since without a read;
+    then `before` holds a device snapshot of the next execution's start, taken
+    only when that execution could be stuck.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int, layer_state=None):
+        self.optimizer = optimizer
+        self.layer_state = layer_state  # kmp.engine.overflow_layer.State of a prepared model, or None
+        config = getattr(optimizer, "loss_scale_config", None)  # kmp's optimizer only
+        self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
+        self.steps_per_execution = steps_per_execution
+        self.unchecked_steps = 0
+        self.before = None
+        self.known = self._initial_state() if self.config is not None else None
+
+    def _snapshot(self, names: dict[str, str]) -> dict:
+        """Device copies of the variables that exist (all of them once built)."""
+        found = {key: getattr(self.optimizer, attr, None) for key, attr in names.items()}
+        return {key: tf.convert_to_tensor(v) for key, v in found.items() if v is not None}
+
+    @staticmethod
+    def _to_host(*snapshots: dict) -> list[dict[str, float]]:
+        """Full snapshots (all of `_CHECKED`) as Python numbers, in one copy."""
+        host = to_host([snapshot[key] for snapshot in snapshots for key in _CHECKED])
+        n = len(_CHECKED)
+        return [dict(zip(_CHECKED, host[i:i + n])) for i in range(0, len(host), n)]
+
+    @staticmethod
+    def _window_state(v: dict[str, float]) -> WindowState:
+        return WindowState(
+            v["loss_scale"], int(v["hysteresis_left"]), int(v["good_steps"]), int(v["overflows"]), int(v["iterations"])
+        )
+
+    def _initial_state(self) -> WindowState:
+        if self.optimizer.built:
+            return self._window_state(self._to_host(self._snapshot(_CHECKED))[0])
+        # Built inside the first step (TensorFlow without a distribution strategy).
+        start = loss_scale.initial_state(self.config)
+        iterations = int(to_host([tf.convert_to_tensor(self.optimizer.iterations)])[0])
+        return WindowState(start.scale, start.hysteresis_left, 0, 0, iterations)
+
+    def _may_be_stuck(self) -> bool:
+        """Whether the next execution could hold a stuck step."""
+        margin = steps_clear_of_floor(self.config, self.known.scale, self.known.hysteresis_left)
+        return self.unchecked_steps + self.steps_per_execution > margin
+
+    def add_state(self, logs):
+        """`logs` with the state after the execution that produced them.
+
+        Logs that are not a dict (a custom `train_step`) are returned as they
+        are; the floor check still runs.
+        """
+        values = self._snapshot(_LOGGED)
+        if "loss_scale" not in values:  # not built: no step ran
+            return logs
+        if self.layer_state is not None:
+            values["overflow_layer"] = tf.convert_to_tensor(self.layer_state.layer)
+        if self.config is not None:
+            if self._may_be_stuck():
+                values = self._check(values)
+            else:
+                self.unchecked_steps += self.steps_per_execution
+            if self.unchecked_steps and self._may_be_stuck():
+                self.before = self._snapshot(_CHECKED)
+        if not isinstance(logs, dict):
+            return logs
+        logs = dict(logs)
+        for key, value in values.items():
+            logs.setdefault(key, value)  # a user metric of the same name wins
+        return logs
+
+    def _check(self, logged: dict) -> dict[str, float]:
+        """Reads the state after this execution, raises if it was stuck, and
+        returns the logged values as Python numbers (Keras then copies nothing)."""
+        after = logged | self._snapshot({k: v for k, v in _CHECKED.items() if k not in logged})
+        if self.unchecked_steps:
+            after_values, before_values = self._to_host(after, self.before)
+            before = self._window_state(before_values)
+        else:
+            (after_values,), before = self._to_host(after), self.known
+        self.known = self._window_state(after_values)
+        if stuck_in_window(self.config, before, self.known):
+            raise LossScaleError(loss_scale.floor_message(before.scale, self.config))
+        self.unchecked_steps, self.before = 0, None
+        return {key: after_values.get(key, logged.get(key)) for key in logged}
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Logs the loss-scale state and stops training stuck at the floor under XLA.
+
+    Adds `loss_scale`, `overflows`, `skipped_steps` and `hysteresis_left` (the
+    last three with kmp's `LossScaleOptimizer`; Keras's has only the scale) to
+    the logs of every training step, so they reach the progress bar,
+    `History.history` and TensorBoard wherever the monitor and those callbacks
+    sit in `callbacks=[...]`. With kmp's optimizer it also adds
+    `overflow_variable`: the index in `model.trainable_variables` of the first
+    variable whose gradient was not finite at the last overflow (-1 before
+    any); under XLA, where the optimizer cannot print, the monitor prints that
+    variable's path on each overflow. With a model prepared by `kmp.prepare`
+    (which names the layer, kmp.engine.overflow_layer) it also adds `overflow_layer`:
+    the number of the first layer whose forward output was not finite at the
+    last overflow, its index in `model.layers` for a top-level layer (-1:
+    none named); under XLA the monitor's line names it. With kmp's
+    optimizer, a dynamic scale and `raise_at_min_scale=True`, raises
+    `kmp.LossScaleError` when a step overflowed at the floor, which an
+    XLA-compiled step cannot do itself.
+    With any other optimizer it warns once and does nothing.
+
+    See the module docstring for how and when values are read.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._warned = False
+        self._installed = None  # (model, original train_function, wrapper)
+        self._report, self._overflows_seen = False, 0.0
+
+    def on_train_begin(self, logs=None):
+        self._uninstall()  # left behind by a fit() that raised outside the step
+        optimizer = self.model.optimizer
+        self._report = bool(self.model.jit_compile) and getattr(optimizer, "log_overflows", False)
+        # A second fit() continues the optimizer's count: only new overflows are reported.
+        skipped = getattr(optimizer, "skipped_steps", None)
+        self._overflows_seen = 0.0 if skipped is None else float(skipped.numpy())
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self._warn_no_loss_scale(optimizer)
+            return
+        original = self.model.train_function
+        if original is None:  # a custom loop that calls the callbacks itself
+            return
+        steps_per_execution = int(self.model.steps_per_execution or 1)
+        probe = []  # made at the first step: a callback after this one may still restore the state
+
+        def train_function_with_loss_scale(iterator):
+            if not probe:
+                probe.append(_Probe(optimizer, steps_per_execution, overflow_layer.state_of(self.model)))
+            try:
+                return probe[0].add_state(original(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise  # the end of the data, not a failure
+            except BaseException as e:
+                self._uninstall()
+                error = overflow.loss_scale_error(e)  # the in-graph floor assert, outside XLA
+                if error is not None:
+                    raise error from None
+                raise
+
+        train_function_with_loss_scale.kmp_raises_floor = True  # kmp.scaling.overflow.raise_floor_errors_in leaves it
+        self._installed = (self.model, original, train_function_with_loss_scale)
+        self.model.train_function = train_function_with_loss_scale
+
+    def on_train_end(self, logs=None):
+        self._uninstall()
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Outside XLA the optimizer prints its own overflow line; a compiled
+        # step cannot print, so the monitor says where the overflow was.
+        if not self._report or not isinstance(logs, dict):
+            return
+        overflows, index = logs.get("overflows"), logs.get("overflow_variable")
+        if overflows is None or index is None or overflows <= self._overflows_seen:
+            return
+        self._overflows_seen = overflows
+        variables = self.model.trainable_variables
+        where = variables[int(index)].path if 0 <= index < len(variables) else "unknown"
+        state = overflow_layer.state_of(self.model)
+        forward = state.text() if state is not None and "overflow_layer" in logs else ""
+        print(f"kmp: gradient overflow in an XLA-compiled step, step skipped. First non-finite gradient: {where}"
+              f"{forward}", file=sys.stderr)
+
+    def _uninstall(self):
+        if self._installed is None:
+            return
+        model, original, wrapper = self._installed
+        if model.train_function is wrapper:  # not replaced since (compile() resets it)
+            model.train_function = original
+        self._installed = None
+
+    def _warn_no_loss_scale(self, optimizer):
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            "kmp.callbacks.LossScaleMonitor expected the model's optimizer to be a "
+            "LossScaleOptimizer (kmp's or Keras's). Received: "
+            f"optimizer={type(optimizer).__name__}. There is no loss scale to monitor, "
+            "so the monitor does nothing. For float16 training wrap the optimizer "
+            "(kmp.wrap(optimizer) or kmp.LossScaleOptimizer(optimizer)); float32 and "
+            "bfloat16 need no loss scaling and no monitor.",
+            stacklevel=2,
+        )
+
+
+class GradientAccumulationScheduler(keras.callbacks.Callback):
+    """Changes the number of micro-batches per optimizer step by epoch.
+
+        kmp.callbacks.GradientAccumulationScheduler({0: 8, 4: 4}, batch_size=32)
+
+    Epochs 0-3 accumulate 8 micro-batches, epoch 4 on 4 (Lightning's
+    `GradientAccumulationScheduler` spelling; epochs before the first key use
+    1). The optimizer must be a `kmp.LossScaleOptimizer` built with
+    `gradient_accumulation_steps` (any value: the schedule overrides it), as
+    `kmp.wrap(..., gradient_accumulation_steps=1)` gives. A window still open
+    when the number changes closes once it holds the new number.
+
+    Adds `accumulation_steps` and, when `batch_size` (the `fit()` batch size)
+    is given, `effective_batch_size` (= batch_size x steps) to each epoch's
+    logs: History and the progress bar see them, as do callbacks listed after
+    this one.
+    """
+
+    def __init__(self, schedule: dict[int, int], batch_size: int | None = None):
+        super().__init__()
+        problems = []
+        if not isinstance(schedule, dict) or not schedule:
+            problems.append(Problem("schedule", "a non-empty dict {epoch: micro-batches per step}", schedule))
+        else:
+            for epoch, steps in schedule.items():
+                if not values.is_int(epoch) or not 0 <= epoch <= values.INT64_MAX:
+                    top = f" and <= {values.INT64_MAX} (int64's largest)" if values.is_int(epoch) and epoch > 0 else ""
+                    problems.append(Problem(f"schedule[{epoch!r}]", f"an epoch number >= 0{top} as key", epoch))
+                values.int_in(f"schedule[{epoch!r}]", steps, 1, problems)
+        if batch_size is not None:
+            values.int_in("batch_size", batch_size, 1, problems, fix="None or the fit() batch size.")
+        check(problems, "GradientAccumulationScheduler arguments")
+        self.schedule = {int(epoch): int(steps) for epoch, steps in sorted(schedule.items())}
+        self.batch_size = values.plain(batch_size)
+
+    def steps_for(self, epoch: int) -> int:
+        earlier = [steps for start, steps in self.schedule.items() if start <= epoch]
+        return earlier[-1] if earlier else 1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        optimizer = self.model.optimizer
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        if getattr(optimizer, "accumulation", None) is None:
+            check([Problem(
+                "model.optimizer", "a kmp.LossScaleOptimizer built with gradient_accumulation_steps",
+                type(optimizer).__name__,
+                "Compile with kmp.wrap(optimizer, gradient_accumulation_steps=1) (or any value).",
+            )], "GradientAccumulationScheduler")
+        optimizer.accumulation.steps.assign(self.steps_for(epoch))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        steps = self.steps_for(epoch)
+        logs["accumulation_steps"] = steps
+        if self.batch_size is not None:
+            logs["effective_batch_size"] = self.batch_size * steps

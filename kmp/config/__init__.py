@@ -1,0 +1,13 @@
+"""kmp.config: reading, checking and writing kmp's and DeepSpeed's configuration.
+
+    settings.py         Config, LossScaleConfig, Communication: the settings and their defaults
+    optimizer_block.py  the DeepSpeed optimizer block (keras imported only to build one)
+    auto.py             DeepSpeed's "auto" values
+    deepspeed.py        load_config, to_deepspeed, resolve_batch_sizes
+    arguments.py        add_config_arguments: the same settings as command-line flags
+    reference.py        the generated reference of every key (docs)
+
+Imports no TensorFlow or Keras at module level, only kmp.errors, kmp.values
+and kmp.schedules.formulas, so `import kmp`, `kmp config check` and reading a
+config stay fast. This file imports nothing.
+"""

@@ -1,0 +1,17 @@
+"""kmp.engine: the flat-buffer training engine and kmp.prepare's fit().
+
+    buffers.py         the flat buffers: one variable per dtype for weights, gradients and slots
+    rules.py           the optimizers' update rules on flat buffers
+    fused.py           the fused per-variable update
+    zero.py            ZeRO stage 1: optimizer state placed on host or sharded
+    replica_state.py   per-replica values in checkpoints
+    wall_clock.py      the step clock (overflow timing)
+    engine.py          Engine: when buffers are copied around fit()'s callbacks
+    replica_step.py    the per-replica XLA train step prepare() installs
+    overflow_layer.py  find_overflow: which layer's forward output overflowed
+    prepare.py         prepare(model): fit() under strategies (kmp.prepare)
+
+May import kmp.scaling, kmp.distribute, kmp.memory.estimate, kmp.config and
+the leaves; never kmp.callbacks or kmp.cli. Private: users reach it through
+kmp.prepare and kmp.find_overflow. This file imports nothing.
+"""

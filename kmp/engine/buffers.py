@@ -1,0 +1,599 @@
+"""Flat buffers: the float32 master weights, optimizer slots and accumulators of a model, each one tensor.
+
+    buffers = FlatBuffers(model)           # after the optimizer is built
+    buffers.load()                         # Keras variables -> buffers
+    weights = buffers.local("weights")     # this replica's flat weights (in a step)
+    values = buffers.split(weights)        # one tensor per trainable variable
+    buffers.update(grad, clip_scale, lr)   # the optimizer's step, one XLA computation
+    buffers.store()                        # buffers -> Keras variables
+
+Why: TensorFlow's cost per resource variable (every op and every XLA launch
+that touches one) dominates the update of many small variables: Adam on
+2000 x 1K parameters runs far below a flat copy's speed, Keras's update or
+kmp's per-variable one (benchmarks/p3_fit_path.py). Three variables (weights and
+Adam's two moments) instead of 6000 take that cost away; what is left is
+the bytes.
+
+Replicas of one process on CPUs (MirroredStrategy on logical CPU devices)
+share its memory: there, at every ZeRO stage, each replica holds and steps
+its shard of the weights and slots in place, and every replica's forward
+pass reads all the weight shards (weight_shards). Elsewhere (GPUs, several
+workers) each replica steps its own copy, or at stage 1 its shard, gathered
+into every replica's whole weights (kmp.engine.zero). A replica that steps a
+shard receives only that shard of the summed gradient (kmp.distribute
+.scatter). Lamb, whose trust ratio needs each variable whole, steps once on
+those CPUs, on the first replica's buffers, which every replica reads
+(update_once).
+
+Layout: the trainable variables (all float32: mixed precision keeps float32
+masters) in Keras's `model.trainable_variables` order, except that the ones
+the optimizer decays come first, so weight decay is `index < decayed`. Each
+buffer is a variable of the model's strategy (mirrored: each replica owns a
+component) that Keras does not track: checkpoints and `.keras` files hold the
+Keras variables only, in Keras's format (kmp.engine copies the buffers into
+them before anything can observe them).
+
+The update is Keras's `update_step`, op for op: for SGD (momentum,
+nesterov), Adam and AdamW kmp.engine.fused's `_SGD`/`_Adam` rules run on the flat
+slots; Lion, Adagrad and Lamb have their rules here (Lamb's trust ratio per
+variable, as segment norms). Weights agree with the per-variable path to
+about one ulp per step.
+
+8-bit states (kmp.Adam8bit, kmp.AdamW8bit) are quantized by blocks of each
+variable: with them every variable starts on a block in every buffer (its
+span padded with zeros, `spans`), each moment is a uint8 buffer of codes and
+a float32 buffer of one scale per block, and ZeRO stage 1 shards by whole
+blocks, so a buffer's blocks are the Keras variables' blocks.
+
+Memory: the buffers are a second copy of the weights and slots (the Keras
+variables stay, as the observable copy): 4 bytes per parameter for the
+weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots
+(8-bit: 2 + 8/block), 4 for the accumulation window; with Lamb, 4 more for
+each element's variable index.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmp.distribute.communication import cpus_of_one_process
+from kmp.distribute.same_start import same_start
+from kmp.distribute.tpu import is_tpu_strategy
+from kmp.engine import fused, replica_state, zero
+from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
+from kmp.memory.estimate import ALIGN
+from kmp.scaling import overflow
+from kmp.scaling.gradients import unscale
+
+logger = logging.getLogger(__name__)
+
+EAGER_COPIES = 50  # copies each way made eagerly before one traced graph makes them (see _copy)
+IN_PLACE_FROM = 16384  # elements: a variable's gradient this large is written into the flat one in place (join)
+
+
+def support(model: keras.Model) -> str | None:
+    """None if the flat buffers can train this model with its optimizer now, else why not."""
+    optimizer = model.optimizer
+    if getattr(optimizer, "loss_scale_config", None) is None:
+        return "the optimizer is not kmp's (kmp.wrap or kmp.LossScaleOptimizer)"
+    if not optimizer.fused:
+        return "the optimizer was made with fused=False"
+    inner = optimizer.inner_optimizer
+    reason = fused.fused_support(inner, HYPERPARAMETERS,
+                                 "the flat buffers update SGD, Adam, AdamW, Lion, Adagrad and Lamb")
+    if reason is not None:
+        return reason
+    own = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if getattr(inner, name)]
+    if own:
+        return f"the inner optimizer clips itself ({own[0]}); kmp's gradient_clipping is applied in the buffers"
+    if is_tpu_strategy(model.distribute_strategy):
+        return "TPUStrategy compiles the whole step itself"
+    strategy = model.distribute_strategy
+    if getattr(optimizer, "zero_stage", 0) and strategy.num_replicas_in_sync > 1:
+        if getattr(RULES[type(inner)], "per_variable", False):
+            return "ZeRO stage 1 shards the buffers by element, and Lamb's trust ratio needs each variable whole"
+    variables = model.trainable_variables
+    if not variables:
+        return "the model has no trainable variables"
+    for v in variables:
+        if v.dtype != "float32":
+            return f"variable {v.path} has dtype {v.dtype} (the buffers hold float32 masters)"
+        if getattr(v, "constraint", None) is not None:
+            return f"variable {v.path} has a constraint"
+        if optimizer._overwrite_variable_with_gradient(v):
+            return f"variable {v.path} has overwrite_with_gradient=True (float8)"
+        if any(d is None for d in v.shape):
+            return f"variable {v.path} has an unknown shape"
+    return None
+
+
+def sizes(variables) -> list[int]:
+    """Each variable's (or shape's) number of elements."""
+    return [int(tf.TensorShape(getattr(v, "shape", v)).num_elements()) for v in variables]
+
+
+class FlatBuffers:
+    """The flat state of one model and its (built) kmp optimizer. See the module docstring."""
+
+    def __init__(self, model: keras.Model):
+        optimizer = model.optimizer
+        inner = optimizer.inner_optimizer
+        self.model, self.optimizer, self.inner = model, optimizer, inner
+        self.strategy = model.distribute_strategy
+        trainable = list(model.trainable_variables)
+        self.key = (id(optimizer), tuple(id(v) for v in trainable))
+        decays = [inner.weight_decay is not None and inner._use_weight_decay(v) for v in trainable]
+        # Decayed variables first: the decay is then a prefix of the buffer.
+        self.order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
+        self.variables = [trainable[i] for i in self.order]
+        self.sizes = sizes(self.variables)
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.rule = RULES[type(inner)]
+        # 8-bit states quantize by blocks of each variable (kmp.scaling.eight_bit): each variable then
+        # starts on a block, its span padded with zeros, so the buffer's blocks are the Keras ones.
+        self.block = inner.block_size if getattr(self.rule, "blocks", False) else 1
+        self.spans = [-(-n // self.block) * self.block for n in self.sizes]
+        # The last span padded too, so that the buffers and their shards are whole units:
+        # XLA:CPU vectorizes the update's loop (it reads the learning rate at run time) only
+        # over a multiple of 8 elements (benchmarks/p7_update_scalars.py measures it).
+        self.unit = math.lcm(self.block, ALIGN)
+        self.spans[-1] += -sum(self.spans) % self.unit
+        self.size = sum(self.spans)
+        self.decayed = sum(self.spans[:sum(decays)])
+        # The Keras variables each buffer mirrors, in buffer order.
+        index = [inner._get_variable_index(v) for v in self.variables]
+        if isinstance(inner, keras.optimizers.SGD):
+            slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
+        else:
+            slots = {name: [getattr(inner, attribute)[i] for i in index]
+                     for name, attribute in getattr(self.rule, "slots", ADAM_SLOTS)}
+        self.mirrors = {"weights": self.variables, **slots}
+        if optimizer.accumulation is not None:
+            position = {id(v): k for k, v in enumerate(trainable)}
+            self.mirrors["sums"] = [optimizer.accumulation.sums[position[id(v)]] for v in self.variables]
+        self.slot_names = tuple(slots)
+        self.hyper = {name: getattr(inner, name) for name in HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
+        self.replicas = self.strategy.num_replicas_in_sync
+        # ZeRO stage 1 (kmp.engine.zero): each replica keeps one of N equal shards of every slot buffer,
+        # and Keras's copy of the slots is held once, in host memory.
+        self.zero = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
+        # Replicas that are CPUs of this process share its memory: at any stage each holds its
+        # shard of the weights and slots, steps it in place, and every replica's forward pass
+        # reads all the weight shards (read_weights): no unused copies on the other replicas,
+        # and stage 0 and stage 1 take the same step. One update of whole buffers on the first
+        # replica's (update_once) can be a little faster, but stage 1 cannot step that way (one
+        # XLA computation cannot touch both devices' shards).
+        one_process = self.replicas > 1 and cpus_of_one_process(self.strategy)
+        self.sharded = self.zero or (one_process and not getattr(self.rule, "per_variable", False))
+        # Shards of whole units: vectorized updates, and no block of 8-bit states split between replicas.
+        self.shard = -(-self.size // (self.replicas * self.unit)) * self.unit if self.sharded else self.size
+        # The flat gradient (and the accumulation sums) padded with zeros to N whole shards, in
+        # the backward pass's XLA concatenate where it costs nothing: each replica's shard of it
+        # is then a slice. Padding the last replica's shard in its update instead copies it every step.
+        self.length = self.replicas * self.shard if self.sharded else self.size
+        # Other workers hold some shards: gathering them is a collective (kmp.engine.zero).
+        self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
+        self.gather_slots = None  # kmp.engine.zero.whole_shards's traced all-gather, under several workers
+        # Lamb on those CPUs: one update of whole buffers, on the first replica's, which the others read.
+        self.one_update = not self.sharded and one_process
+        self.weight_shards = self.sharded and one_process
+        # Each replica's XLA computations share the process's cores with the others': there the
+        # gradient is written in place (join), in loops XLA:CPU runs on one thread each.
+        self.in_place = one_process
+        # Elsewhere at stage 1 each replica's new shard is gathered into every replica's whole weights.
+        self.gathers = self.sharded and not self.weight_shards
+        self.place_slots(on_host=True)
+        dtypes = getattr(self.rule, "dtypes", {})
+        # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8 (8-bit codes).
+        with self.strategy.scope(), same_start(self.strategy):
+            self.buffers = {
+                name: tf.Variable(tf.zeros([self._length(name, self._elements(name))], dtypes.get(name, tf.float32)),
+                                  trainable=False, name=f"kmp_flat_{name}")
+                for name in self.mirrors
+            }
+        if getattr(self.rule, "per_variable", False):
+            # Each element's variable, for Lamb's per-variable norms. A variable,
+            # not a constant of the buffer's size in the graph, nor computed in
+            # XLA: XLA gives tf.repeat a padded dynamic shape past a few million
+            # elements, and compiles a cumsum of that size for minutes.
+            with self.strategy.scope():
+                self.segment_ids = tf.Variable(np.repeat(np.arange(len(self.spans), dtype=np.int32), self.spans),
+                                               trainable=False, name="kmp_flat_segments")
+        self._updates = {}
+        self._calls, self._graphs = {}, {}  # copies made and traced, by direction
+        self.missing = ()  # model positions of the variables without a gradient (see join)
+
+    def place_slots(self, on_host: bool) -> None:
+        """ZeRO stage 1: Keras's whole copy of the slots once in host memory, or (for Keras's own
+        per-variable update) one per replica again (kmp.engine.zero). Stage 0: nothing moves."""
+        if self.zero:
+            slots = [v for name in self.slot_names for v in self.mirrors[name]]
+            zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy)
+
+    # --- In a step (replica context) ---
+
+    def local(self, name: str) -> tf.Variable:
+        """This replica's component of buffer `name` (a plain tf.Variable); with one update
+        (update_once), the first replica's, except for the replica's own accumulation sums."""
+        return self._first(self.buffers[name]) if self._first_only(name) else fused._local(self.buffers[name])
+
+    def read_weights(self):
+        """This replica's flat weights as its forward pass reads them (split takes either): a
+        tensor, or, with weight shards, every replica's shard (a tuple)."""
+        if not self.weight_shards:
+            return self.local("weights").read_value()
+        return tuple(w.read_value() for w in self.strategy.experimental_local_results(self.buffers["weights"]))
+
+    def split(self, flat) -> list:
+        """`flat` (a tensor, or read_weights()'s shards) as one tensor per trainable variable, in
+        `model.trainable_variables` order. Inside XLA, joining the shards copies nothing: each
+        variable's slice is taken from the shard that holds it."""
+        if isinstance(flat, tuple):
+            flat = tf.concat(flat, axis=0)[:self.size]
+        out = [None] * len(self.sizes)
+        for position, part in zip(self.order, self._parts(flat)):
+            out[position] = part
+        return out
+
+    @tf.autograph.experimental.do_not_convert
+    def join(self, grads, scale) -> tf.Tensor:
+        """Per-variable gradients (model order, None for no gradient), unscaled (kmp.scaling.gradients.unscale:
+        float32 / scale), as one flat tensor (`length` elements: zero padded to N whole shards when
+        sharded).
+
+        Keras skips a variable whose gradient is None (no step, no weight
+        decay, slots untouched); so does the update, for the variables noted
+        here while the step is traced.
+        """
+        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        if missing != self.missing:
+            if self._updates:  # traced with the other set: trace the update again
+                self._updates = {}
+            self.missing = missing
+            if missing:
+                names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
+                logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
+                               "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
+        # Each length from its variable: a traced gradient's static shape may be unknown (a tied
+        # embedding's IndexedSlices made dense, keras-hub's transformers).
+        parts = [None if grads[i] is None else tf.reshape(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
+                 for i, n in zip(self.order, self.sizes)]
+        if overflow.in_xla() and self.in_place and max(self.sizes) >= IN_PLACE_FROM:
+            return self._written_in_place(parts)
+        return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
+
+    def _written_in_place(self, parts) -> tf.Tensor:
+        """join's flat tensor inside XLA on replicas that are CPUs of one process: each
+        variable of IN_PLACE_FROM elements or more written into a zero buffer in place,
+        the runs of smaller ones between them joined.
+
+        XLA:CPU keeps a concatenate of many operands apart from the per-variable
+        conversions and the division, so the gradient is written three times;
+        a dynamic-update-slice takes its operand's conversion and division into
+        its own loop, in place. That loop runs on one thread, where the
+        division's runs on all of them, so only replicas sharing the cores
+        take it (on one device it is slower). Each in-place write has a fixed
+        cost, so runs of small variables are joined first.
+        """
+        flat = tf.zeros([self.length], tf.float32)
+        run, run_start, start = [], 0, 0
+
+        def write(flat, value, begin):
+            return tf.raw_ops.TensorStridedSliceUpdate(input=flat, begin=[begin], end=[begin + value.shape[0]],
+                                                       strides=[1], value=value)
+
+        for k, (part, size, span) in enumerate(zip(parts, self.sizes, self.spans)):
+            if size < IN_PLACE_FROM:
+                run.append(k)
+            else:
+                if run:
+                    flat = write(flat, tf.concat(self._padded(parts, run), axis=0), run_start)
+                if part is not None:  # a variable without a gradient stays zero
+                    flat = write(flat, part, start)
+                run, run_start = [], start + span
+            start += span
+        if run:
+            flat = write(flat, tf.concat(self._padded(parts, run), axis=0), run_start)
+        return flat
+
+    def _padded(self, parts, indices=None) -> list:
+        """parts[k] (zeros for None) padded to its span, for the k in `indices` (all by default)."""
+        indices = range(len(parts)) if indices is None else indices
+        return [_pad_to(tf.zeros([self.sizes[k]], tf.float32) if parts[k] is None else parts[k], self.spans[k])
+                for k in indices]
+
+    def segment_finite(self, flat, offset: int = 0) -> tf.Tensor:
+        """Per trainable variable (model order): True iff its part of `flat` is finite. `flat` is
+        join's whole gradient, or the part of it that starts at element `offset` (a shard: the
+        variables outside it count as finite)."""
+        count = len(self.spans)
+        if overflow.in_xla():
+            # Inside a whole-step XLA computation the segment ids of tf.repeat
+            # get a padded dynamic shape past a few million elements: one
+            # reduction per variable instead (compiled, run on an overflow only).
+            # Each variable's [start, end) in `flat` (slices past its end are empty).
+            starts = np.cumsum([0] + self.spans[:-1]) - offset
+            ok = tf.stack([tf.reduce_all(tf.math.is_finite(flat[max(start, 0):max(start + span, 0)]))
+                           for start, span in zip(starts, self.spans)])
+        else:
+            # The padding past the last variable is a segment of its own, dropped.
+            ids = tf.concat([self._segments(), tf.fill([self.length - self.size], count)], axis=0)
+            ids = ids[offset:offset + flat.shape[0]]
+            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids, count + 1)[:count] > 0
+        return tf.gather(ok, tf.argsort(self.order))
+
+    def shard_offset(self) -> int:
+        """Where this replica's shard starts in the whole buffer (replica context; 0 when not sharded)."""
+        return self._offset(fused._replica()[0])
+
+    def update(self, grad, clip_scale, learning_rate) -> None:
+        """The optimizer's step on this replica's buffers: one XLA computation (replica context).
+        `grad` is the reduced gradient: whole, or this replica's shard of it when the buffers are
+        sharded (kmp.distribute.scatter).
+
+        The caller checks the gradient and skips this when it is not finite.
+        Moving the check inside, as a select of the old or new weights and
+        slots (or an XLA conditional), is slower: XLA then copies every
+        buffer instead of updating it in place.
+        """
+        self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
+
+    def update_once(self, finite, grad, clip_scale, learning_rate) -> None:
+        """Lamb on replicas of one process (`one_update`): the step once, on the first replica's
+        buffers, if `finite` (replica context). Every replica reads the first's weights
+        (`local`), as memory this process shares; the others' weight and slot buffers are unused.
+
+        Each replica updating its own copy, as on GPUs, makes the updates
+        contend for the same cores and memory.
+        """
+        tf.distribute.get_replica_context().merge_call(
+            self._update_first, args=(finite, grad, clip_scale, learning_rate))
+        if fused._replica()[0][1]:  # Keras's iteration count, read per replica (learning-rate schedules)
+            iterations = _tf_variable(self.inner._iterations)
+            fused._local(iterations).assign(self._first(iterations).read_value())
+
+    def _update_first(self, strategy, *args):
+        finite, grad, clip_scale, learning_rate = (None if a is None else self._first(a) for a in args)
+        with tf.device(self.local("weights").device):
+            update = self._compiled_update((id(strategy), 0))
+            tf.cond(finite, lambda: update(*self._update_args(grad, clip_scale, learning_rate)) or tf.no_op(),
+                    tf.no_op)
+
+    def update_shard(self, grad, clip_scale, learning_rate) -> tf.Tensor:
+        """ZeRO stage 1: the step on this replica's shard of the weights, given its shard of the
+        reduced gradient; returns the new shard (kmp.engine.zero.gather spreads it)."""
+        return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
+
+    def weight_shard(self) -> tf.Tensor:
+        """This replica's shard of its weights, as update_shard returns it (zero padded at the end)."""
+        return self._shard_of(self.local("weights").read_value())
+
+    def _update_args(self, grad, clip_scale, learning_rate) -> list:
+        args = [grad, tf.cast(learning_rate, tf.float32)]
+        return args if clip_scale is None else args + [clip_scale]
+
+    def _compiled_update(self, replica=None):
+        """The XLA update of `replica`'s (this replica's by default) buffers."""
+        replica = fused._replica()[0] if replica is None else replica
+        if replica not in self._updates:
+            iterations = _tf_variable(self.inner._iterations)
+            # With one update, called in cross-replica context (update_once): the first replica's.
+            iterations = self._first(iterations) if self.one_update else fused._local(iterations)
+            self._updates[replica] = tf.function(
+                functools.partial(self._update, self.local("weights"), tuple(self.local(n) for n in self.slot_names),
+                                  iterations, self._offset(replica)),
+                jit_compile=True, autograph=False)
+        return self._updates[replica]
+
+    def _offset(self, replica) -> int:
+        """Where this replica's shard starts in the buffer (0 when not sharded)."""
+        return replica[1] * self.shard if self.sharded else 0
+
+    def _shard_of(self, flat, offset=None, name="weights"):
+        """This replica's [offset, offset + shard) of a whole buffer `name`, zeros past its end."""
+        offset = self._offset(fused._replica()[0]) if offset is None else offset
+        start, length = self._length(name, offset), self._length(name, self.shard)
+        return _pad_to(flat[start:start + length], length)
+
+    def _elements(self, name: str) -> int:
+        """How many elements this replica's buffer `name` holds."""
+        if self.is_shard(name):
+            return self.shard
+        return self.length if name == "sums" else self.size  # the sums add up join's gradients
+
+    def _length(self, name, elements: int) -> int:
+        """How many entries of buffer `name` hold `elements` elements (8-bit scales: one per block)."""
+        return elements // self.block if name in getattr(self.rule, "per_block", ()) else elements
+
+    def _update(self, weights, slots, iterations, offset, grad, learning_rate, clip_scale=None):
+        h = self.hyper
+        step = iterations.read_value()
+        s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
+        s["lr"] = learning_rate
+        if getattr(self.rule, "per_variable", False):
+            s["segments"] = fused._local(self.segment_ids).read_value()
+            s["count"] = len(self.sizes)
+        value = old = weights.read_value()
+        if self.gathers:  # the whole weights held, this replica's shard stepped
+            value = old = self._shard_of(value, offset)
+        if clip_scale is not None:
+            grad = grad * clip_scale
+        index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer
+        if self.decayed:
+            # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
+            decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
+            value = tf.where(index < self.decayed, decayed, value)
+        if self.missing:
+            keep = self._updated_mask(index)
+            # A variable's blocks are its own (self.block): a block's scale is kept with its elements.
+            per_block = getattr(self.rule, "per_block", ())
+            slots = tuple(_Masked(slot, keep[::self.block] if name in per_block else keep)
+                          for name, slot in zip(self.slot_names, slots))
+            new = tf.where(keep, self.rule.update(s, h, value, grad, slots), old)
+        else:
+            new = self.rule.update(s, h, value, grad, slots)
+        iterations.assign_add(1)
+        if self.gathers:
+            return new  # kmp.engine.zero.gather writes every replica's into the whole weights
+        weights.assign(new)
+        return None
+
+    def _updated_mask(self, index):
+        """True on the elements (at buffer positions `index`) of variables that got a gradient.
+
+        Built from the few runs of variables without one, compared with the
+        element index: no constant or index of the buffer's size (see segment_ids).
+        """
+        keep = tf.ones(index.shape, tf.bool)
+        for start, end in self._missing_runs():
+            keep = keep & ((index < start) | (index >= end))
+        return keep
+
+    def _missing_runs(self) -> list[tuple[int, int]]:
+        """[start, end) element ranges of the variables without a gradient, adjacent ones merged."""
+        runs, offset = [], 0
+        for position, size in zip(self.order, self.spans):
+            if position in self.missing:
+                if runs and runs[-1][1] == offset:
+                    runs[-1] = (runs[-1][0], offset + size)
+                else:
+                    runs.append((offset, offset + size))
+            offset += size
+        return runs
+
+    # --- Between steps (eagerly): copies to and from the Keras variables ---
+
+    def load(self) -> None:
+        """Keras variables -> buffers, on every local replica."""
+        self._copy("load", tuple(self.buffers))
+
+    def store(self, names=None) -> None:
+        """Buffers (`names`, all by default) -> Keras variables, on every local replica.
+
+        Under several workers at stage 1, storing a slot buffer is a
+        collective every worker must join (kmp.engine.zero.whole_shards).
+        """
+        self._copy("store", tuple(self.buffers) if names is None else tuple(names))
+
+    def is_shard(self, name: str) -> bool:
+        """Whether each replica holds only its shard of buffer `name`: the slots when sharded
+        (stage 1, or replicas that are CPUs of one process), and the weights too with weight shards."""
+        return self.sharded and (name in self.slot_names or (name == "weights" and self.weight_shards))
+
+    def store_weights_here(self) -> None:
+        """Buffers -> this replica's Keras weights (in a step: an overflowing step's diagnosis reads them)."""
+        values = self.split(self.read_weights())  # model order
+        for position, variable in zip(self.order, self.variables):
+            fused._local(variable).assign(values[position])
+
+    def _parts(self, flat, name="weights", shapes=None):
+        """Whole buffer `name` as one tensor per variable (of `shapes`, the variables' by default), in buffer order."""
+        spans = [self._length(name, span) for span in self.spans]
+        shapes = self.shapes if shapes is None else shapes
+        return [tf.reshape(p if span == n else p[:n], s)
+                for p, span, n, s in zip(tf.split(flat, spans), spans, sizes(shapes), shapes)]
+
+    def _joined(self, name, values):
+        """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
+        pad = getattr(self.rule, "pads", {}).get(name, 0)
+        parts = []
+        for value, span in zip(values, self.spans):
+            flat, span = tf.reshape(value, [-1]), self._length(name, span)
+            parts.append(flat if flat.shape[0] == span else
+                         tf.concat([flat, tf.fill([span - flat.shape[0]], tf.constant(pad, flat.dtype))], axis=0))
+        return tf.concat(parts, axis=0)
+
+    def _segments(self):
+        """Each element's variable (its index in buffer order)."""
+        return tf.repeat(tf.range(len(self.spans)), self.spans)
+
+    def _copy(self, direction: str, names: tuple) -> None:
+        # Component by component, each on its own device. Eagerly at first: a
+        # traced graph of thousands of ops takes seconds to optimize on its first
+        # call; a copy made often (a callback kmp does not know, each batch) pays
+        # for the graph after about EAGER_COPIES calls.
+        calls = self._calls[direction] = self._calls.get(direction, 0) + 1
+        copy = self._load_component if direction == "load" else self._store_component
+        if calls > EAGER_COPIES:
+            if direction not in self._graphs:
+                self._graphs[direction] = tf.function(copy, autograph=False)
+            copy = self._graphs[direction]
+        local = self.strategy.experimental_local_results
+        # Stored whole, once, into Keras's one copy in host memory (kmp.engine.zero).
+        whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+        for k, replica in enumerate(self._replica_ids()):
+            buffers = {}
+            for n in names:
+                # With one update (update_once) only the first replica's weights and slots are
+                # used: the others' are not loaded, and every replica is stored from the first's.
+                # A buffer gathered whole is stored once into Keras's one host copy (the slots,
+                # kmp.engine.zero), and into each replica's Keras variables otherwise (weight shards).
+                if k and ((n in whole and zero.on_host(self.mirrors[n][0]))
+                          or (direction == "load" and self._first_only(n))):
+                    continue
+                buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
+            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
+            with tf.device(local(self.buffers["weights"])[k].device):
+                copy(buffers, mirrors, replica * self.shard)
+
+    def _first(self, value):
+        """The first replica's component of a distributed variable or value."""
+        return self.strategy.experimental_local_results(value)[0]
+
+    def _first_only(self, name: str) -> bool:
+        """Whether only the first replica's buffer `name` is current (one update: all but the sums)."""
+        return self.one_update and name != "sums"
+
+    def _replica_ids(self) -> list[int]:
+        """Each local replica's index among all replicas (its shard's), in local order."""
+        if "_ids" not in self.__dict__:
+            local = len(self.strategy.experimental_local_results(self.buffers["weights"]))
+            self._ids = ([int(i) for i in replica_state.replica_ids(self.strategy)] if self.across_workers
+                         else list(range(local)))
+        return self._ids
+
+    def _load_component(self, buffers, mirrors, offset):
+        for name, buffer in buffers.items():
+            flat = self._joined(name, [v.read_value() for v in mirrors[name]])
+            buffer.assign(self._shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
+
+    def _store_component(self, buffers, mirrors, offset):
+        for name, buffer in buffers.items():
+            # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
+            flat = (buffer.read_value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
+            for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
+                variable.assign(part)
+
+
+class _Masked:
+    """A slot variable whose assignments keep the old value where `keep` is False."""
+
+    def __init__(self, variable, keep):
+        self.variable, self.keep, self.old = variable, keep, variable.read_value()
+
+    def read_value(self):
+        return self.old
+
+    def assign(self, value):
+        return self.variable.assign(tf.where(self.keep, value, self.old))
+
+
+def _pad_to(flat, length: int):
+    """`flat` with zeros appended up to `length` elements."""
+    return tf.pad(flat, [[0, length - flat.shape[0]]]) if flat.shape[0] < length else flat
+
+
+def _component(components, k):
+    """Replica k's component of a variable; the one variable of one held in host memory (kmp.engine.zero)."""
+    return components[k] if len(components) > 1 else components[0]
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable behind a Keras variable (a distributed one under a strategy)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable

@@ -1,0 +1,561 @@
+"""prepare(model): Keras's fit() under tf.distribute strategies, working and fast.
+
+Keras 3.15 fails twice under MultiWorkerMirroredStrategy on TensorFlow
+(keras-team/keras#20585): `_maybe_symbolic_build` all-reduces the first data
+batch only to learn its shapes ("Attempt to convert a value (PerReplica:...)
+to a Tensor", before the first step), and every step's logs are reduced with
+`axis=0`, which fails for scalars. And under any strategy with several
+replicas it turns XLA off (or fails when asked for it). `prepare` replaces
+two methods of the given instance only, delegating to Keras's, and, with
+several replicas, swaps Keras's train step for kmp.engine.replica_step's
+(XLA per replica). On any number of replicas it also wraps the train step
+so that an overflow names the layer whose forward output overflowed
+(kmp.engine.overflow_layer).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import traceback
+import types
+
+import keras
+import tensorflow as tf
+
+from kmp import seams, values
+from kmp.distribute.tpu import is_tpu_strategy
+from kmp.engine import engine, overflow_layer, replica_step, wall_clock
+from kmp.engine import buffers as flat
+from kmp.engine.replica_step import FINDER, FLAT, XLA
+from kmp.errors import KmpError, Problem, check
+from kmp.scaling import overflow
+from kmp.scaling.optimizer import LossScaleOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True,
+            flat_buffers: bool | str = "auto", wall_clock_breakdown: bool | int | str = "auto") -> keras.Model:
+    """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
+
+    Call it after creating the model (in the strategy's scope, as Keras
+    requires) and before `fit()`; inside or outside the scope both work.
+    Calling it again only changes its settings. It changes this instance
+    only: other models, and Keras's classes, are untouched.
+
+    `jit_compile`, with several replicas (Mirrored, MultiWorkerMirrored):
+    "auto" or True compiles each replica's forward/backward pass with XLA
+    (kmp.engine.replica_step; "auto" unless a layer does not support XLA), and the
+    all-reduce stays outside; False keeps Keras's step without XLA. Keras's
+    own `compile(jit_compile=True)`, which fails under a strategy, is turned
+    into the same. On one replica, True turns Keras's whole-step XLA on and
+    "auto"/False leave the compile() setting as it is.
+
+    `find_overflow_layer` (any number of replicas, with kmp's
+    LossScaleOptimizer and Keras's own train step): after a step whose
+    gradients overflowed, and only then, the forward pass of that step's
+    batch runs again layer by layer, writing nothing, and the overflow line
+    and `kmp.callbacks.LossScaleMonitor`'s `overflow_layer` name the first
+    layer whose output was not finite while its inputs were
+    (kmp.engine.overflow_layer). A clean step pays two reads of a counter and a
+    branch not taken; tracing and XLA compilation take longer (the forward
+    pass is traced twice). On one device without a strategy, an optimizer
+    not built before the first step is built at its start from the batch's
+    shapes, as Keras does under a strategy. False: the step is left as it is.
+
+    `flat_buffers` (kmp.engine): "auto" or True trains the float32 master
+    weights, the optimizer's slots and the accumulation sums as a few flat
+    buffers (kmp.engine.buffers), on any number of replicas: one all-reduce, one
+    overflow check and one XLA update per step, whatever the number of
+    variables. The Keras variables are kept current wherever they can be
+    observed (kmp.engine lists where); for that the model's evaluate,
+    predict, save, save_weights, get_weights, set_weights, load_weights and
+    fit are wrapped on this instance. "auto" falls back to the per-variable
+    path, with a one-line note, where the buffers do not apply (an optimizer
+    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; non-float32 variables;
+    see kmp.engine.buffers.support); True says the same as a warning. False: off.
+
+    `wall_clock_breakdown` (kmp.engine.wall_clock): True or N prints, every N steps
+    (True: 10, DeepSpeed's `steps_per_print` default), the mean ms per step
+    of data wait, forward+backward, all-reduce, loss-scale bookkeeping and
+    update, as DeepSpeed's `"wall_clock_breakdown": true` does, and puts
+    them in the logs. "auto": what `kmp.wrap` was told (the config's key),
+    else off. On one device the timed step is not compiled as one XLA
+    computation (a stamp cannot be placed inside one); this is said once.
+
+    A `keras.optimizers.LossScaleOptimizer` on the model (compile() wraps any
+    optimizer in it under mixed_float16) is replaced by kmp's on the same
+    inner optimizer, initial scale and growth interval, with one logged line:
+    Keras's checks only the first replica's gradients for inf/nan.
+
+    Two of the instance's methods are replaced, each delegating to Keras's
+    (besides the XLA step above):
+
+    1. `_maybe_symbolic_build`: before the first step Keras builds the model,
+       metrics and optimizer from the shapes and dtypes of one data batch,
+       which it gets from the distributed first batch as
+
+           batch = strategy.reduce("MEAN", first_batch, axis=None)      # Keras
+           batch = strategy.experimental_local_results(first_batch)[0]  # prepared
+
+       Every replica's share of a global batch has the same shapes. Keras's
+       reduce fails across workers (keras-team/keras#20585), and it turns
+       integer labels into float64; one local replica's share needs no
+       communication and has the dtypes the train step will see.
+    2. `_make_function`, which builds the train and test functions:
+       - with several replicas, the XLA train step above;
+       - `find_overflow_layer`: the train step wrapped as said above;
+       - multi-worker: Keras reduces each step's logs with
+         `strategy.reduce("MEAN", v, axis=0)`, which fails for a scalar
+         loss. The step's outputs get a leading axis of 1, so that same
+         reduce is the mean over replicas and returns the original shape;
+       - `steps_per_execution > 1` with several replicas (not TPU): Keras's
+         loop fails under Mirrored and MultiWorkerMirrored
+         (keras-team/keras#19246); kmp's runs the same steps
+         (`_multi_step_function`).
+    """
+    stock = getattr(type(model), "_maybe_symbolic_build", None)
+    if not isinstance(model, keras.Model) or stock is None:
+        check([Problem("model", "a keras.Model built by Keras's TensorFlow backend", type(model).__name__,
+                       "Pass the model itself, e.g. kmp.distribute.prepare(model).")],
+              "kmp.distribute.prepare arguments")
+    problems = []
+    if jit_compile not in replica_step.JIT_CHOICES:
+        problems.append(Problem("jit_compile", '"auto", True or False', jit_compile))
+    values.boolean("find_overflow_layer", find_overflow_layer, problems)
+    if flat_buffers not in ("auto", True, False):
+        problems.append(Problem("flat_buffers", '"auto", True or False', flat_buffers))
+    if not (wall_clock_breakdown in ("auto", True, False) or values.is_int(wall_clock_breakdown)
+            and wall_clock_breakdown >= 1):
+        problems.append(Problem("wall_clock_breakdown", '"auto", True, False or the steps between lines (>= 1)',
+                                wall_clock_breakdown))
+    check(problems, "kmp.distribute.prepare arguments")
+    settings = (jit_compile, find_overflow_layer, flat_buffers, wall_clock_breakdown)
+    if getattr(model, "_kmp_settings", settings) != settings:
+        model.train_function = None  # built with the old settings: rebuild at the next fit()
+    model._kmp_jit_compile = jit_compile
+    model._kmp_find_overflow_layer = find_overflow_layer
+    model._kmp_flat_buffers = flat_buffers
+    model._kmp_wall_clock_breakdown = wall_clock_breakdown
+    model._kmp_settings = settings
+    _with_kmp_loss_scaling(model)
+    if flat_buffers:
+        engine.install(model)
+    if is_prepared(model):
+        return model
+    # Bound methods stored on the instance shadow the class's methods for
+    # this instance only (tests/test_distribute.py checks both).
+    for name, method in _REPLACEMENTS.items():
+        setattr(model, name, types.MethodType(method, model))
+    return model
+
+
+def _with_kmp_loss_scaling(model: keras.Model) -> None:
+    """Keras's LossScaleOptimizer on the model replaced by kmp's, on the same inner optimizer and settings.
+
+    compile() wraps any optimizer in Keras's class under mixed_float16. Under
+    a strategy it checks replica 0's local gradients only, so an inf on another
+    replica reaches the weights; kmp's checks the all-reduced ones (and is what
+    the flat buffers train with).
+    """
+    stock = model.optimizer if model.compiled else None
+    if type(stock) is not keras.optimizers.LossScaleOptimizer:
+        return
+    scale = float(stock.dynamic_scale.numpy()) if stock.built else stock.initial_scale
+    with model.distribute_strategy.scope():
+        ours = LossScaleOptimizer(stock.inner_optimizer, initial_scale=scale,
+                                  dynamic_growth_steps=stock.dynamic_growth_steps, name=stock.name)
+    model.optimizer = ours
+    model._compile_config.config["optimizer"] = ours  # what save() writes: reloaded with kmp's class
+    model.train_function = None
+    logger.warning("kmp: prepare replaced %s's keras.optimizers.LossScaleOptimizer (compile() adds it under "
+                   "mixed_float16) by kmp.LossScaleOptimizer on the same %s, initial_scale=%g, "
+                   "dynamic_growth_steps=%d: Keras's checks only the first replica's gradients for inf/nan, kmp's "
+                   "the all-reduced ones, and raises kmp.LossScaleError at its floor of 1. kmp.wrap(optimizer) in "
+                   "compile() gives kmp's directly.",
+                   model.name, type(stock.inner_optimizer).__name__, scale, stock.dynamic_growth_steps)
+
+
+def is_prepared(model: keras.Model) -> bool:
+    """Whether `prepare(model)` was called on this instance."""
+    return all(
+        getattr(vars(model).get(name), "__func__", None) is method for name, method in _REPLACEMENTS.items()
+    )
+
+
+def _build_from_local_batch(self, iterator=None, data_batch=None):
+    # Keras's method skips its reduce when handed a batch instead of an
+    # iterator; hand it one replica's share of the first batch. Only when
+    # something is still unbuilt: Keras reads the batch then only, and drawing
+    # it costs every later fit() and evaluate() a new distributed iterator.
+    if iterator is not None and self._distribute_strategy is not None:
+        if _unbuilt(self):
+            for _, _, batches in iterator:
+                data_batch = local_batch(self.distribute_strategy, next(batches))
+                break
+        iterator = None
+    return type(self)._maybe_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+
+
+def _unbuilt(model) -> bool:
+    """Whether Keras's `_symbolic_build` needs a batch: a layer, the compiled metrics or loss unbuilt."""
+    compiled = [model._compile_metrics, model._compile_loss]
+    return not all(layer.built for layer in model._flatten_layers()) or any(
+        c is not None and not c.built for c in compiled)
+
+
+def _make_function_prepared(self, step_function):
+    if getattr(step_function, "__func__", None) is not seams.get("TensorFlowTrainer").train_step:
+        return _build_function(self, step_function)
+    return _falling_back(self, step_function)
+
+
+def _build_function(self, step_function):
+    setting = getattr(self, "_kmp_jit_compile", "auto")
+    dropped = replica_step.path_of(self)["dropped"]
+    if XLA in dropped:
+        setting = False
+    several = self.distribute_strategy.num_replicas_in_sync > 1
+    # Only Keras's own train_step is swapped: a model's custom one is kept.
+    stock_train_step = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
+    every = wall_clock.interval(_breakdown_setting(self))
+    xla = (setting is True or bool(self.jit_compile) and XLA not in dropped) and not self.run_eagerly
+    # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
+    timed_apart = bool(every) and xla and not several
+    if stock_train_step and (replica_step.wants_replica_xla(self, setting) or timed_apart):
+        # A new train function (after compile(), a new prepare(), frozen
+        # layers) traces new XLA functions: a cached one holds the old loss,
+        # metrics and trainable variables.
+        replica_step.forget(self)
+        step_function = functools.partial(replica_step.train_step, self)
+    if not stock_train_step:
+        buffers = _no_engine(self, "the model has its own train_step")
+    elif FLAT in dropped:
+        buffers = _no_engine(self, None)  # said when it was dropped
+    else:
+        buffers = _engine_for(self)
+    if buffers is not None:
+        replica_step.forget(self)
+        step_function = buffers.train_step
+    # A custom train_step may not call the model on x as Keras's does: left as it is.
+    if (stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and FINDER not in dropped
+            and overflow_layer.can_diagnose(self)):
+        step_function = overflow_layer.diagnosing_step(self, step_function)
+    # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
+    # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
+    # scalars and averages a vector's entries. With a leading axis of 1 per
+    # replica, that same reduce is the mean over replicas, shape unchanged.
+    kmp_step = buffers is not None or getattr(step_function, "func", None) is replica_step.train_step
+    if every:
+        step_function = wall_clock.timed_step(step_function)
+    if seams.get("collective_all_reduce_multi_worker")(self.distribute_strategy):
+        step_function = _with_replica_axis(step_function)
+    # Keras's jit_compile puts the whole distributed step in one XLA
+    # computation, which fails with several replicas.
+    whole_step_xla = xla and not several and not timed_apart
+    saved, self._jit_compile = self._jit_compile, whole_step_xla
+    try:
+        function = type(self)._make_function(self, step_function)
+    finally:
+        self._jit_compile = saved
+    if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
+        function = _multi_step_function(self, step_function, function)
+    if buffers is not None:
+        function = _around_steps(buffers, function)
+    if every:
+        function = _timed(self, every, timed_apart, kmp_step, function)
+    if stock_train_step:
+        replica_xla = getattr(step_function, "func", None) is replica_step.train_step or (
+            buffers is not None and buffers.xla)
+        xla_part = "whole-step XLA" if whole_step_xla else "XLA per replica" if replica_xla else "no XLA"
+        finder = FINDER not in dropped and getattr(self, "_kmp_find_overflow_layer", True) and \
+            overflow_layer.can_diagnose(self)
+        replica_step.path_of(self)["taken"] = ", ".join(
+            ["flat buffers" if buffers is not None else "per-variable update", xla_part]
+            + (["overflow-layer finder"] if finder else []))
+    else:
+        replica_step.path_of(self)["taken"] = "the model's own train_step, per-variable update"
+    return overflow.raising_loss_scale_errors(function)
+
+
+_FALLBACK_ORDER = (FLAT, FINDER, XLA)
+# kmp's files (below kmp/) whose errors name the fast path to drop.
+_ORIGINS = {"engine/buffers.py": FLAT, "engine/engine.py": FLAT, "engine/zero.py": FLAT, "distribute/scatter.py": FLAT,
+            "engine/overflow_layer.py": FINDER}
+# What tracing kmp's step, or compiling it with XLA, raises on a model it cannot take.
+_BUILD_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError,
+                 tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError)
+
+
+def _falling_back(model, step_function):
+    """The train function, rebuilt without one fast path after each failure of its first call.
+
+    Stock Keras trains what kmp's fast paths may not take (a layer XLA
+    cannot compile, a gradient the buffers cannot hold): rather than a
+    traceback, kmp drops the path the error came from (the flat buffers,
+    the overflow-layer finder, XLA), says so in one line, and tries again.
+    A failure after a first step that ran, or with nothing left to drop, is
+    raised as it is.
+    """
+    function, ran = _build_function(model, step_function), False
+
+    def call(iterator):
+        nonlocal function, ran
+        while True:
+            try:
+                result = function(iterator)
+            except _BUILD_ERRORS as error:
+                if ran or isinstance(error, KmpError):
+                    raise
+                path = _path_to_drop(model, error)
+                if path is None:
+                    raise
+                _drop(model, path, error)
+                function = call.__wrapped__ = _build_function(model, step_function)
+                continue
+            ran = True
+            return result
+
+    call.__wrapped__ = function
+    return call
+
+
+def _path_to_drop(model, error) -> str | None:
+    """Which fast path `error` came from (by the kmp module it was raised in), if kmp took it."""
+    taken = [p for p in _FALLBACK_ORDER if p not in replica_step.path_of(model)["dropped"] and _took(model, p)]
+    if isinstance(error, tf.errors.OpError):
+        origin = XLA if "XLA" in str(error) or "compil" in str(error) else None
+    else:
+        # The innermost of kmp's modules the error passed through; a traced function's error
+        # lists its frames in its message.
+        files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+        files += re.findall(r'File "([^"]+)"', str(error))
+        below_kmp = [f.replace("\\", "/").rsplit("/kmp/", 1)[-1] for f in reversed(files) if "/kmp/" in f]
+        origin = next((_ORIGINS[f] for f in below_kmp if f in _ORIGINS), None)
+    if origin in taken:
+        return origin
+    return taken[0] if taken else None
+
+
+def _took(model, path) -> bool:
+    if path == FLAT:
+        return engine.engine_of(model) is not None and flat_reason(model) is None
+    if path == FINDER:
+        return getattr(model, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(model)
+    return getattr(model, "_kmp_jit_compile", "auto") is not False and (
+        replica_step.wants_replica_xla(model, getattr(model, "_kmp_jit_compile", "auto"))
+        or engine.engine_of(model) is not None or bool(model.jit_compile))
+
+
+def _drop(model, path, error) -> None:
+    # A traced function's error ends with the original message; its first line is "in user code:".
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    message = lines[-1] if lines else ""
+    prefix = f"{type(error).__name__}: "
+    message = message[len(prefix):] if message.startswith(prefix) else message
+    layer = _layer_in(error)
+    where = f" in layer {layer!r}" if layer else ""
+    why = f"{type(error).__name__}{where}: {message[:300]}"
+    replica_step.path_of(model)["dropped"][path] = f"its first step failed on them ({why})"
+    logger.warning("kmp: %s off for %s, falling back (%s)%s.", path, model.name, why,
+                   "; the batch of the failed step was not trained" if isinstance(error, tf.errors.OpError) else "")
+
+
+def _layer_in(error) -> str | None:
+    """The innermost Keras layer whose call the error passed through, if any."""
+    name = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.layers.Layer) and not isinstance(owner, keras.Model):
+            name = owner.name
+    return name
+
+
+def _breakdown_setting(model):
+    setting = getattr(model, "_kmp_wall_clock_breakdown", "auto")
+    if setting == "auto":
+        return getattr(model.optimizer, "kmp_wall_clock_breakdown", False)
+    return setting
+
+
+def _timed(model, every, timed_apart, kmp_step, function):
+    """`function` timed by kmp.engine.wall_clock, with what it cannot cut on this model said once."""
+    strategy = model.distribute_strategy
+    notes = []
+    if timed_apart:
+        notes.append("the step is not compiled as one XLA computation while timed (its forward/backward and "
+                     "update are); its total with the breakdown off is the one to compare")
+    if is_tpu_strategy(strategy):
+        notes.append("TPUStrategy's step is one XLA program: only its total is measured")
+    if getattr(model.optimizer, "accumulation", None) is not None:
+        notes.append("with gradient accumulation the all-reduce, loss scale and update run inside the window's "
+                     "branch and count in other")
+    kmp_optimizer = hasattr(model.optimizer, "apply_flat")  # kmp.LossScaleOptimizer's
+    if not kmp_step and not kmp_optimizer:
+        notes.append("Keras's own train step (no XLA here) with a Keras optimizer: fwd_bwd and step are not "
+                     "separated and count in other (kmp.wrap gives kmp's optimizer under fp16, a strategy or "
+                     "accumulation)")
+    elif not kmp_optimizer:
+        notes.append("the optimizer is not kmp's: allreduce and loss_scale are not separated from step")
+    steps = int(model.steps_per_execution or 1)
+    if steps > 1:
+        notes.append(f"steps_per_execution={steps}: the parts are each call's last step, total the call / {steps}, "
+                     "data_wait is not separated")
+    chief = bool(strategy.extended.should_checkpoint)
+    if chief and notes:
+        print("kmp: wall-clock breakdown: " + "; ".join(notes) + ".", flush=True)
+    return wall_clock.Breakdown(every, steps, chief)(function)
+
+
+def flat_reason(model) -> str | None:
+    """Why fit() would not train `model` on the flat buffers (None: it would), by prepare's `flat_buffers`.
+
+    Also read by kmp.memory.allocation (what `kmp memory` counts). A model's own
+    train_step keeps the per-variable path too (_make_function_prepared).
+    """
+    setting = getattr(model, "_kmp_flat_buffers", False)
+    if not setting:
+        return "flat_buffers=False"
+    if model.run_eagerly:
+        return "run_eagerly=True (the buffers' step is compiled)"
+    reason = flat.support(model)
+    sharding = getattr(model.optimizer, "zero_stage", 0) and model.distribute_strategy.num_replicas_in_sync > 1
+    if setting == "auto" and reason is None and not sharding:  # ZeRO stage 1 needs the buffers
+        sizes = flat.sizes(model.trainable_variables)
+        mean = sum(sizes) // len(sizes)
+        if mean > AUTO_MEAN_PARAMETERS:
+            reason = (f"its variables hold {mean:,} parameters on average (> {AUTO_MEAN_PARAMETERS:,}), where "
+                      f"per-variable updates measured faster; flat_buffers=True uses the buffers anyway")
+    return reason
+
+
+def _engine_for(model):
+    """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
+    if not getattr(model, "_kmp_flat_buffers", False):
+        return _no_engine(model, "flat_buffers=False")  # (says nothing: not asked for)
+    reason = flat_reason(model)
+    if reason is not None:
+        return _no_engine(model, reason)
+    if not model.optimizer.built:
+        # Without a strategy Keras builds it in the first step; the buffers need its slots now.
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    current = engine.engine_of(model)
+    key = (id(model.optimizer), tuple(id(v) for v in model.trainable_variables))
+    if current is None or current.buffers.key != key:
+        if current is not None:
+            current.release()  # the old buffers' last values, into the variables the new ones start from
+        model.__dict__["_kmp_engine"] = engine.Engine(model)
+    else:
+        current.buffers.place_slots(on_host=True)  # back from a per-variable fit (_no_engine)
+    return model.__dict__["_kmp_engine"]
+
+
+def _no_engine(model, reason: str | None) -> None:
+    """None, after saying once per model and reason why the flat buffers are off (if they were asked for)."""
+    if engine.engine_of(model) is not None:
+        engine.engine_of(model).release()  # the per-variable update needs Keras's slots on every replica
+    setting = getattr(model, "_kmp_flat_buffers", False)
+    if setting and reason is not None and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
+        model.__dict__["_kmp_flat_noted"].add(reason)
+        log = logger.warning if setting is True else logger.info
+        log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)
+    return None
+
+
+# "auto" keeps the per-variable path for models of large variables: there the
+# gradient's concatenation and the weights' slices cost more passes over memory
+# than the variables cost in overhead (benchmarks/p3_fit_path.py measures both).
+AUTO_MEAN_PARAMETERS = 65_536
+
+
+def _around_steps(buffers, function):
+    def call(iterator):
+        buffers.before_step()
+        try:
+            return function(iterator)
+        finally:
+            buffers.stepped()
+
+    call.__wrapped__ = function
+    return call
+
+
+def _multi_step_function(self, step_function, keras_function):
+    """`steps_per_execution` steps in one tf.function, with no tf.cond around a step.
+
+    Keras 3.15 runs each step of an execution inside a tf.cond, and a step
+    under MirroredStrategy or MultiWorkerMirroredStrategy calls merge_call
+    (every all-reduce does), which fails inside a cond: fit() stops with
+    "You must feed a value for placeholder tensor '.../while/cond/
+    Placeholder_1'" for any steps_per_execution > 1, with any optimizer
+    (keras-team/keras#19246). Here the while loop's own condition checks
+    that a batch is there, and its body runs the step unconditionally.
+    Keras's `unrolled_steps_per_execution` is not applied: it needs the cond.
+    """
+    strategy = self.distribute_strategy
+    steps = self.steps_per_execution
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return seams.get("reduce_per_replica")(outputs, strategy, reduction="auto")
+
+    one_step = self._autoconvert_optionals(tf.function(one_step, reduce_retracing=True))
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step(iterator):
+        outputs = tf.experimental.Optional.empty(None)  # its spec is known after the first trace
+
+        def body(step, _, inputs):
+            result = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
+            outputs._element_spec = result.element_spec
+            # Fetching a batch calls no merge_call: this cond is safe.
+            inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional, lambda: inputs)
+            return step + 1, result, inputs
+
+        def more(step, _, inputs):
+            return tf.logical_and(step < steps, inputs.has_value())
+
+        start = [tf.constant(0), outputs, iterator.get_next_as_optional()]
+        _, last, _ = tf.while_loop(more, body, start)
+        last._element_spec = outputs.element_spec
+        return last
+
+    multi_step = tf.function(multi_step, reduce_retracing=True)
+
+    def function(iterator):
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return keras_function(iterator)  # Keras's Python loop over a list of batches
+        last = multi_step(iterator)
+        if not last.has_value():
+            raise StopIteration
+        return last.get_value()
+
+    return function
+
+
+def _with_replica_axis(step_function):
+    @functools.wraps(step_function)
+    def step(data):
+        return keras.tree.map_structure(
+            lambda v: tf.expand_dims(v, 0) if tf.is_tensor(v) else v, step_function(data)
+        )
+
+    return step
+
+
+_REPLACEMENTS = {
+    "_maybe_symbolic_build": _build_from_local_batch,
+    "_make_function": _make_function_prepared,
+}
+
+
+def local_batch(strategy: tf.distribute.Strategy, batch):
+    """The first local replica's part of a distributed batch; other batches as they are."""
+    leaves = keras.tree.flatten(batch)
+    if leaves and all(isinstance(v, tf.distribute.DistributedValues) for v in leaves):
+        return keras.tree.map_structure(lambda v: strategy.experimental_local_results(v)[0], batch)
+    return batch

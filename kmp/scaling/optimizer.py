@@ -1,0 +1,586 @@
+"""kmp.LossScaleOptimizer: Keras's LossScaleOptimizer, made to the loss-scaling contract.
+
+What differs from `keras.optimizers.LossScaleOptimizer` (Keras 3.15) and why:
+
+- The gradients are unscaled in float32 and all-reduced once, here, before
+  the overflow check, so every replica sees the same gradients and takes the
+  same skip decision. Keras checks replica 0's local gradients only, so an
+  inf on replica 1 is applied and reaches the weights.
+- The scale follows `kmp.scaling.state` (hysteresis, a floor, a ceiling, two
+  growth rules). Keras halves without a floor, so the scale reaches 0 and the
+  next finite step writes -inf into the weights; it also grows without a
+  ceiling, to inf.
+- State (scale, hysteresis left, clean steps, skipped steps) lives in
+  optimizer variables: saved in checkpoints and `.keras` files.
+
+One effective step, in replica context:
+
+    grads = [float32(g) / scale for g in grads]        # kmp.scaling.gradients.unscale
+    (accumulate: sum micro-batches locally until the window closes; kmp.scaling.accumulate)
+    grads = all_reduce_sum(grads) / micro-batches      # once (kmp.distribute.communication)
+    clip = min(1, gradient_clipping / global_norm(grads))     # if set
+    finite = all(isfinite(grads)) and isfinite(clip)   # identical on every replica
+    if finite: update(inner, grads * clip)             # kmp.engine.fused: one XLA update per replica
+    state = loss_scale.adjust(state, finite)           # raises at the floor if asked
+
+With `fused=False` and a scale that never reaches the floor, the scale and
+the weights follow exactly the trajectory of Keras's class; fused, the weights
+agree to about one ulp per step (XLA's FMA contraction, see kmp.engine.fused).
+
+The inner optimizer is left as the user made it: its own all-reduce hook is
+shadowed only for the duration of each update call (`_reduced_already`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import sys
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from kmp import seams, values
+from kmp.config.settings import LossScaleConfig, attempt, communication_of
+from kmp.distribute.communication import chunks, reduce_mean
+from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
+from kmp.engine import replica_state, wall_clock, zero
+from kmp.engine.fused import fused_apply, fused_step
+from kmp.errors import Problem, check, did_you_mean
+from kmp.scaling import overflow
+from kmp.scaling import state as loss_scale
+from kmp.scaling.accumulate import Accumulation
+from kmp.scaling.gradients import (all_finite, clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts,
+                                   typed_where, unscale)
+
+_STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
+# The loss-scale keywords' defaults: LossScaleConfig's, written once there.
+_DEFAULTS = LossScaleConfig()
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Dynamic loss scaling with DeepSpeed's controls; a drop-in for Keras's class.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        initial_scale: the scale at step 0.
+        dynamic_growth_steps: the window W: clean steps before the scale grows.
+        hysteresis: overflows tolerated before the scale shrinks (H).
+        consecutive_hysteresis: refill H on every clean step, not only at growth.
+        min_scale, max_scale: the floor and the ceiling of the scale.
+        raise_at_min_scale: raise `kmp.LossScaleError` on an overflow at the floor.
+        growth_rule: "every_window" (Keras, PyTorch) or "after_window"
+            (DeepSpeed >= 0.17.1).
+        static_scale: a fixed scale instead of a dynamic one; overflowing
+            steps are still skipped.
+        growth_factor, backoff_factor: 2 and 0.5 by default.
+        loss_scale: all of the above as one `kmp.LossScaleConfig` (what
+            `kmp.wrap` passes); then leave the arguments above at their defaults.
+        log_overflows: print one line per overflow (not on clean steps).
+            Lines are not printed inside XLA-compiled steps.
+        gradient_accumulation_steps: micro-batches per optimizer step (None: 1).
+        gradient_clipping: clip the all-reduced, unscaled gradient to this
+            global norm (DeepSpeed's `gradient_clipping`); the inner optimizer
+            must then not clip itself.
+        fused: update through `kmp.engine.fused` (one XLA computation per replica)
+            for SGD, Adam and AdamW; other optimizers fall back to Keras's
+            update with a one-line note. False: always Keras's update.
+        communication: a `kmp.Communication` (all-reduce dtype, bucket size,
+            pre-divide factor), or a dict of its fields.
+        zero_stage: 1 shards the optimizer state across the replicas
+            (DeepSpeed's ZeRO stage 1, on kmp.prepare's flat buffers; see
+            docs/zero.md); 0 keeps it whole on every replica. At 1 the
+            inner optimizer's slot variables, then only the observable
+            copy, are held once in host memory, not on every replica.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=_DEFAULTS.initial_scale,
+        dynamic_growth_steps=_DEFAULTS.dynamic_growth_steps,
+        hysteresis=_DEFAULTS.hysteresis,
+        consecutive_hysteresis=_DEFAULTS.consecutive_hysteresis,
+        min_scale=_DEFAULTS.min_scale,
+        max_scale=_DEFAULTS.max_scale,
+        raise_at_min_scale=_DEFAULTS.raise_at_min_scale,
+        growth_rule=_DEFAULTS.growth_rule,
+        static_scale=_DEFAULTS.static_scale,
+        growth_factor=_DEFAULTS.growth_factor,
+        backoff_factor=_DEFAULTS.backoff_factor,
+        log_overflows=True,
+        gradient_accumulation_steps=None,
+        fused=True,
+        communication=None,
+        gradient_clipping=None,
+        loss_scale=None,
+        zero_stage=0,
+        name=None,
+        **kwargs,
+    ):
+        given = dict(
+            initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
+            raise_at_min_scale=raise_at_min_scale, growth_rule=growth_rule, static_scale=static_scale,
+            growth_factor=growth_factor, backoff_factor=backoff_factor,
+        )
+        problems = _inner_problems(inner_optimizer, gradient_clipping) + _unknown_arguments(kwargs)
+        config, more = _loss_scale_config(loss_scale, given)
+        communication, even_more = communication_of(communication)
+        problems += more + even_more
+        values.boolean("fused", fused, problems)
+        values.boolean("log_overflows", log_overflows, problems)
+        if gradient_accumulation_steps is not None:
+            values.int_in("gradient_accumulation_steps", gradient_accumulation_steps, 1, problems)
+        if gradient_clipping is not None:
+            values.positive("gradient_clipping", gradient_clipping, problems)
+        values.int_in("zero_stage", zero_stage, 0, problems, high=1,
+                      fix="kmp builds ZeRO stage 1 (the optimizer state sharded); stages 2 and 3 are out of scope.")
+        check(problems, "kmp.LossScaleOptimizer arguments")
+        # Keras's constructor rejects the same arguments as before (dynamic=False,
+        # clipnorm on the wrapper, ...): kmp stays a drop-in.
+        super().__init__(
+            inner_optimizer,
+            initial_scale=loss_scale_initial(config),
+            dynamic_growth_steps=config.dynamic_growth_steps,
+            name=name,
+            **kwargs,
+        )
+        self.loss_scale_config = config
+        self.log_overflows = log_overflows
+        self.fused = fused
+        self.communication = communication
+        self.gradient_clipping = values.plain(gradient_clipping)
+        self.zero_stage = values.plain(zero_stage)
+        self._zero_noted = False
+        # kmp's own accumulation. Keras's `gradient_accumulation_steps`
+        # attribute stays None: Keras would otherwise accumulate by itself.
+        steps = values.plain(gradient_accumulation_steps)
+        self.accumulation = None if steps is None else Accumulation(steps)
+
+    @classmethod
+    def from_loss_scale_config(cls, inner_optimizer, config: LossScaleConfig, **kwargs):
+        return cls(inner_optimizer, loss_scale=config, **kwargs)
+
+    def build(self, var_list):
+        self._raise_floor_errors_in_caller()
+        # As Keras's build: the state variables are tracked once, by add_variable.
+        with seams.get("DotNotTrackScope")():
+            super().build(var_list)
+            start = loss_scale.initial_state(self.loss_scale_config)
+            # overflow_variable: index of the first variable whose gradient was
+            # not finite at the last overflow (-1: none yet), for the logs.
+            initial = {"hysteresis_left": start.hysteresis_left, "good_steps": 0, "skipped_steps": 0,
+                       "overflow_variable": -1}
+            for field in _STATE_FIELDS:
+                setattr(self, field, self.add_variable(
+                    shape=(), dtype="int", initializer=keras.initializers.Constant(initial[field]),
+                    aggregation="none", name=field,
+                ))
+            if self.accumulation is not None:
+                self.accumulation.build(self, var_list)
+        if self.accumulation is not None:
+            # Tracked outside Keras's no-tracking scope (tf.train.Checkpoint must
+            # see it) and after the variables: a restore deferred to this build
+            # gives the variables their values first and the rows last.
+            self.per_replica_window = replica_state.PerReplicaWindow(
+                self.accumulation.local_state, self.accumulation.micro_steps)
+
+    def _raise_floor_errors_in_caller(self):
+        """In the model that builds or traces this optimizer (fit, train_on_batch, load_weights), a step
+        stuck at the floor raises kmp.LossScaleError, not TensorFlow's InvalidArgumentError of the
+        in-graph assert (kmp.scaling.overflow.raise_floor_errors_in)."""
+        config = self.loss_scale_config
+        if config.dynamic and config.raise_at_min_scale:
+            model = calling_model(self)
+            if model is not None:
+                overflow.raise_floor_errors_in(model)
+
+    @property
+    def overflows(self):
+        """Overflow steps. Every overflow skips its step (the contract), so this is `skipped_steps`."""
+        return getattr(self, "skipped_steps", None)
+
+    def apply(self, grads, trainable_variables=None, *, micro_batch_weight=None):
+        """One (micro-)step. `micro_batch_weight` (e.g. a token count) makes
+        the gradient the weighted mean: sum(grads) / sum(weights) over the
+        micro-batches of the window and every replica; the loss whose
+        gradients are passed is then a sum over the micro-batch, not a mean.
+        """
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if not tf.executing_eagerly():  # traced: once per train function (eagerly the step raises itself)
+            self._raise_floor_errors_in_caller()
+        wall_clock.stamp("gradients", grads)
+        if self.zero_stage and tf.distribute.get_strategy().num_replicas_in_sync > 1 and not self._zero_noted:
+            self._zero_noted = True  # once per optimizer
+            warnings.warn("kmp: zero_stage=1 shards the optimizer state on kmp.prepare(model)'s flat buffers; this "
+                          "step updates per variable (kmp.prepare was not called, or its log line says why the "
+                          "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
+                          stacklevel=2)
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        # Every micro-batch of a window is scaled by the same scale: it only
+        # changes when a window closes. A static scale of 1 (float32,
+        # bfloat16) divides by nothing.
+        config = self.loss_scale_config
+        scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
+        grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
+        weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
+        if self.accumulation is None:
+            self._effective_step(grads, trainable_variables, None, weight)
+        else:
+            _maybe_merge_call(self._micro_step, grads, trainable_variables, weight)
+
+    def _micro_step(self, strategy, grads, trainable_variables, weight):
+        # The window is the same on every replica. Where merge_call is used
+        # (CPU/GPU Mirrored) this runs in cross-replica context, so the
+        # collective in the closing branch is not built inside a replica-context
+        # cond (Keras's own accumulation does that, and crashes).
+        ops.cond(
+            self.accumulation.closes(),
+            lambda: _each_replica(strategy, self._close_window, grads, trainable_variables, weight),
+            lambda: _each_replica(strategy, self.accumulation.add, grads, weight),
+        )
+
+    def _close_window(self, grads, trainable_variables, weight):
+        totals, count, weight = self.accumulation.close(grads, weight)
+        self._effective_step(totals, trainable_variables, count, weight)
+
+    def _effective_step(self, grads, trainable_variables, count, weight):
+        """All-reduce once, clip, check, apply if finite, move the scale (replica context)."""
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        # The values float8 layers overwrite (amax history, scales) arrive as
+        # their "gradients" and stay each replica's own, as in Keras: they are
+        # not summed, averaged or clipped.
+        own = [self._overwrite_variable_with_gradient(v) for v in variables]
+        shared = reduce_mean([None if o else g for g, o in zip(grads, own)], self.communication,
+                             self.dynamic_scale.value, count, weight)
+        grads = [g if o else r for g, r, o in zip(grads, shared, own)]
+        wall_clock.stamp("reduced", shared)
+        flags = finite_flags(grads)  # which variables overflowed, for the log line
+        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        clip = None
+        if self.gradient_clipping is not None:
+            clip = global_clip_scale([g for g, o in zip(grads, own) if not o], self.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
+        wall_clock.stamp("checked", [finite, clip])
+        step, _ = fused_step(self.inner_optimizer, grads, trainable_variables) if self.fused else (None, None)
+        if step is not None:
+            # The fused update and the state variables (aggregation "none":
+            # each replica writes its own copy) need no cross-replica context,
+            # and every replica takes the same branch from the same gradients.
+            ops.cond(finite, lambda: step(grads, clip), lambda: None)
+            wall_clock.stamp("updated", variables[:1])
+            self._adjust(finite, flags, variables)
+            wall_clock.stamp("adjusted", self.skipped_steps)
+        else:
+            if clip is not None:
+                grads = [g if o or g is None else g * clip for g, o in zip(grads, own)]
+            _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite, flags)
+            wall_clock.stamp("updated", [self.skipped_steps, *variables[:1]])  # the loss-scale move too
+
+    def apply_flat(self, grad, buffers) -> None:
+        """One (micro-)step on flat buffers (kmp.engine.buffers): `grad` is this replica's
+        gradient of the flat weights, already unscaled in float32 (kmp.engine
+        divides inside its XLA computation, saving a pass over memory). The
+        same contract as `apply`: one all-reduce (in buckets), one overflow
+        check, clipping by the global norm after the reduce, the update in one
+        XLA computation if finite.
+        """
+        wall_clock.stamp("gradients", grad)
+        if self.accumulation is None:
+            self._flat_effective_step(grad, buffers, None)
+        else:
+            _maybe_merge_call(self._flat_micro_step, grad, buffers)
+
+    def _flat_micro_step(self, strategy, grad, buffers):
+        # As _micro_step, on the one flat sum.
+        ops.cond(
+            self.accumulation.closes(),
+            lambda: _each_replica(strategy, self._flat_close_window, grad, buffers),
+            lambda: _each_replica(strategy, lambda g: self.accumulation.add([g], sums=[buffers.local("sums")]), grad),
+        )
+
+    def _flat_close_window(self, grad, buffers):
+        (total,), count, _ = self.accumulation.close([grad], sums=[buffers.local("sums")])
+        self._flat_effective_step(total, buffers, count)
+
+    def _flat_effective_step(self, grad, buffers, count):
+        flags = None
+        if buffers.sharded:  # each replica steps its shard: it needs the sum of that shard only
+            grad = reduce_scatter_mean(grad, buffers.shard, self.communication, self.dynamic_scale.value, count)
+            wall_clock.stamp("reduced", grad)
+            finite, clip, flags = self._shard_check(grad, buffers)
+        else:
+            reduced = reduce_mean(chunks(grad, self.communication), self.communication, self.dynamic_scale.value,
+                                  count)
+            grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
+            wall_clock.stamp("reduced", grad)
+            finite = all_finite(grad)
+            clip = None
+            if self.gradient_clipping is not None:
+                clip = global_clip_scale([grad], self.gradient_clipping)
+                finite = finite & tf.math.is_finite(clip)
+        learning_rate = self.inner_optimizer._get_current_learning_rate()
+        wall_clock.stamp("checked", [finite, clip])
+        if buffers.gathers:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
+            new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
+            zero.gather(buffers, new)
+        elif buffers.one_update:  # Lamb on replicas of one process: the first's buffers, updated once, read by all
+            buffers.update_once(finite, grad, clip, learning_rate)
+        else:  # each replica its own buffers; with weight shards (replicas of one process), its shard of each
+            ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
+        wall_clock.stamp("updated", buffers.local("weights"))
+        variables = self._trainable_variables
+        if flags is None:
+            # Which variables overflowed, for the log line: computed on an overflow only.
+            flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
+        self._adjust(finite, flags, variables)  # one vector: no op per variable on a clean step
+        wall_clock.stamp("adjusted", self.skipped_steps)
+
+    def _shard_check(self, shard, buffers):
+        """(finite, clip factor or None, per-variable finite flags) of the whole reduced gradient,
+        from this replica's `shard` of it: each replica checks its own shard, and every replica
+        gets every shard's few numbers (whether finite, norm_parts, its flags), so all decide alike."""
+        finite_here = all_finite(shard)
+        count = len(buffers.sizes)
+        # Which variables hold the inf or nan: computed on the shard that has one only.
+        flags = tf.cond(finite_here, lambda: tf.ones([count], tf.bool),
+                        lambda: buffers.segment_finite(shard, buffers.shard_offset()))
+        numbers = [tf.cast(finite_here, tf.float32)[None]]
+        if self.gradient_clipping is not None:
+            numbers += [n[None] for n in norm_parts(shard)]
+        rows = gather_rows(tf.concat(numbers + [tf.cast(flags, tf.float32)], axis=0))
+        finite = tf.reduce_all(rows[:, 0] > 0)
+        clip = None
+        if self.gradient_clipping is not None:
+            clip = clip_scale(norm_of_parts(rows[:, 1], rows[:, 2]), self.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)
+        return finite, clip, tf.reduce_all(rows[:, len(numbers):] > 0, axis=0)
+
+    def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
+        # Every replica computed `finite` from the same reduced gradients. A
+        # cond whose branch calls merge_call (as Keras's update does) must be
+        # built in cross-replica context under MirroredStrategy.
+        finite = strategy.experimental_local_results(finite)[0]
+        flags = [strategy.experimental_local_results(f)[0] for f in flags]
+        ops.cond(
+            finite, lambda: _each_replica(strategy, self._apply_inner, grads, trainable_variables), lambda: None
+        )
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        self._adjust(finite, flags, variables)
+
+    def _apply_inner(self, grads, trainable_variables):
+        """The inner optimizer's update of already all-reduced, unscaled gradients."""
+        with _reduced_already(self.inner_optimizer):
+            if self.fused:
+                fused_apply(self.inner_optimizer, grads, trainable_variables)
+            else:
+                self.inner_optimizer.apply(grads, trainable_variables)
+
+    def _adjust(self, finite, flags=(), variables=()):
+        """Moves the loss-scale state one step (see kmp.scaling.state.adjust).
+
+        `flags` (one per variable of `variables`, a list or a bool vector) say whose gradient was not
+        finite: the overflow line names them.
+        """
+        config = self.loss_scale_config
+        old = loss_scale.LossScaleState(self.dynamic_scale.value, self.hysteresis_left.value, self.good_steps.value)
+        new, stuck = loss_scale.adjust(config, old, finite, where=typed_where)
+        overflow.raise_if_stuck(config, stuck, old.scale)
+        printed = None
+        if self.log_overflows:
+            printed = overflow.log_overflow(config, finite, old, new, flags, variables, end=overflow.line_end(self))
+        grew = finite & loss_scale.grows(config, new.good_steps) if config.dynamic else finite & False
+        # Keras's step_counter: clean steps since the last growth or overflow.
+        self.step_counter.assign(typed_where(finite & ~grew, self.step_counter.value + 1, 0))
+        if config.dynamic:  # a static state never moves
+            self.dynamic_scale.assign(new.scale)
+            self.hysteresis_left.assign(new.hysteresis_left)
+            self.good_steps.assign(new.good_steps)
+        # After the line: a step that ends the line (kmp.engine.overflow_layer) reads this counter first.
+        with tf.control_dependencies([] if printed is None else [printed]):
+            self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
+        if overflow.flag_count(flags):
+            first = tf.argmin(tf.cast(overflow.flag_vector(flags), tf.int32), output_type=tf.int64)  # first False
+            self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
+
+    def save_own_variables(self, store):
+        """Keras's format (one value per variable), plus every replica's own
+        accumulation state under `per_replica_<index>`: Keras would save replica
+        0's partial sums for every replica (.keras, .weights.h5, ModelCheckpoint).
+        Under several workers, inside a window, the rows are gathered from every
+        worker, so every worker must call the save (kmp.engine.replica_state).
+        tf.train.Checkpoint saves them through `per_replica_window`."""
+        super().save_own_variables(store)
+        if self.accumulation is None or not self.built:
+            return
+        # On one device too (one row): loaded on several replicas, the sums
+        # then go to the first replica only, not to each.
+        rows = {id(v): r for v, r in zip(self.accumulation.local_state(), self.per_replica_window.rows(), strict=True)}
+        for index, variable in enumerate(self.variables):
+            if id(variable) in rows:
+                store[f"per_replica_{index}"] = rows[id(variable)].numpy()
+
+    def load_own_variables(self, store):
+        keys = [k for k in store.keys() if k.startswith("per_replica_")]
+        model = None if self.built else calling_model(self)
+        if model is not None:
+            # Keras skips an unbuilt optimizer's state (a fresh model's
+            # load_weights, a ModelCheckpoint file): it is built here, from the
+            # model that loads it, so the state and the window come back.
+            with model.distribute_strategy.scope(), keras.name_scope(self.name, caller=self):
+                self.build(model.trainable_variables)
+            self.built = True
+        super().load_own_variables({k: store[k] for k in store.keys() if k not in keys})
+        if not self.built:
+            return  # Keras warned that it skipped the state
+        replica_state.assign_rows([self.variables[int(k.removeprefix("per_replica_"))] for k in keys],
+                                  [np.asarray(store[k]) for k in keys])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(dataclasses.asdict(self.loss_scale_config))
+        config["log_overflows"] = self.log_overflows
+        config["gradient_accumulation_steps"] = None if self.accumulation is None else self.accumulation.initial_steps
+        config["gradient_clipping"] = self.gradient_clipping
+        config["fused"] = self.fused
+        config["zero_stage"] = self.zero_stage
+        config["communication"] = dataclasses.asdict(self.communication)
+        return config
+
+
+def loss_scale_initial(config: LossScaleConfig) -> float:
+    return loss_scale.initial_state(config).scale
+
+
+def calling_model(optimizer):
+    """The keras.Model compiled with `optimizer` whose method is calling it now (fit, train_on_batch,
+    load_weights), or None.
+
+    Keras never hands an optimizer its model, but its methods call the
+    optimizer from the model's own, so the model is a caller's `self`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def own_clipping(optimizer) -> dict:
+    """The clipping a Keras optimizer does itself: {"clipnorm" | "clipvalue" | "global_clipnorm": value}."""
+    names = ("clipnorm", "clipvalue", "global_clipnorm")
+    return {k: getattr(optimizer, k) for k in names if getattr(optimizer, k) is not None}
+
+
+def _maybe_merge_call(fn, *args):
+    """fn(strategy, *args): through merge_call where the strategy needs one, else here."""
+    strategy = tf.distribute.get_strategy()
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
+
+
+def _each_replica(strategy, fn, *args):
+    """fn(*args) on every replica: from cross-replica context (after a merge_call), or here."""
+    if tf.distribute.in_cross_replica_context():
+        return strategy.extended.call_for_each_replica(fn, args=args)
+    return fn(*args)
+
+
+def _as_given(grads_and_vars):
+    return list(grads_and_vars)
+
+
+@contextlib.contextmanager
+def _reduced_already(inner):
+    """The inner optimizer receives gradients this class already all-reduced.
+
+    Keras's TensorFlow optimizer sums gradients across replicas in
+    `_all_reduce_sum_gradients` before its update; doing it again would
+    multiply them by the number of replicas. The hook is shadowed on this
+    instance for one update call (under tf.function: while it is traced),
+    then removed, so the optimizer used on its own all-reduces as before.
+    """
+    had = "_all_reduce_sum_gradients" in vars(inner)
+    previous = vars(inner).get("_all_reduce_sum_gradients")
+    inner._all_reduce_sum_gradients = _as_given
+    try:
+        yield
+    finally:
+        if had:
+            inner._all_reduce_sum_gradients = previous
+        else:
+            del inner._all_reduce_sum_gradients
+
+
+def _loss_scale_config(given_config, arguments: dict) -> tuple[LossScaleConfig, list[Problem]]:
+    if given_config is None:
+        return attempt(lambda: LossScaleConfig(**arguments), LossScaleConfig())
+    if not isinstance(given_config, LossScaleConfig):
+        return LossScaleConfig(), [Problem("loss_scale", "None or a kmp.LossScaleConfig", given_config)]
+    # Passed, not merely equal to the default: a default argument is the very
+    # object in the signature (and `!=` on an array answers no bool).
+    defaults = inspect.signature(LossScaleOptimizer.__init__).parameters
+    changed = [k for k, v in arguments.items() if v is not defaults[k].default]
+    if changed:
+        return given_config, [Problem(
+            changed[0], "its default when loss_scale= is given", arguments[changed[0]],
+            "Put every loss-scale setting in the LossScaleConfig, or pass them all as arguments.",
+        )]
+    return given_config, []
+
+
+def _unknown_arguments(kwargs: dict) -> list[Problem]:
+    """Names neither kmp nor Keras's optimizers take, as one problem in Keras's words.
+
+    Keras's own names are left to Keras's checks, which word their errors themselves.
+    """
+    # Every Keras optimizer takes the base class's arguments (clipnorm, use_ema,
+    # ...): the ones SGD and Adam share. Keras's wrapper rejects them itself.
+    shared = set(inspect.signature(keras.optimizers.SGD.__init__).parameters)
+    keras_names = (shared & set(inspect.signature(keras.optimizers.Adam.__init__).parameters)) | {"dynamic"}
+    ours = [n for n in inspect.signature(LossScaleOptimizer.__init__).parameters if n not in ("self", "kwargs")]
+    unknown = {name: value for name, value in kwargs.items() if name not in keras_names}
+    if not unknown:
+        return []
+    hints = [f"`{name}`: {hint}" for name in unknown if (hint := did_you_mean(name, ours))]
+    return [Problem("**kwargs", "only arguments of kmp.LossScaleOptimizer", unknown, " ".join([
+        f"LossScaleOptimizer does not support arguments: `{'`, `'.join(unknown)}`.", *hints]))]
+
+
+def _inner_problems(inner, gradient_clipping) -> list[Problem]:
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        return [Problem(
+            "inner_optimizer", "a plain Keras optimizer", type(inner).__name__,
+            "It is already a LossScaleOptimizer: pass its `inner_optimizer` instead.",
+        )]
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        return [Problem(
+            "inner_optimizer", "a keras.optimizers.Optimizer instance", inner,
+            "Create one first, e.g. keras.optimizers.AdamW(1e-3), or use kmp.wrap('adamw').",
+        )]
+    if inner.gradient_accumulation_steps:
+        return [Problem(
+            "inner_optimizer.gradient_accumulation_steps", "None", inner.gradient_accumulation_steps,
+            "Pass gradient_accumulation_steps to kmp.LossScaleOptimizer (or kmp.wrap) instead: "
+            "Keras's own accumulation fails under tf.distribute and checks overflows per micro-batch.",
+        )]
+    clipping = own_clipping(inner)
+    if gradient_clipping is not None and clipping:
+        name, value = next(iter(clipping.items()))
+        return [Problem(
+            "gradient_clipping", f"None, since the inner optimizer already clips ({name}={value})", gradient_clipping,
+            "Set clipping in one place: the config/kmp argument or the optimizer.",
+        )]
+    return []
