@@ -29,6 +29,7 @@ class Case:
     data: object   # (rows) -> (x, y)
     loss: object = "sparse_categorical_crossentropy"
     own_step: bool = False  # the model trains with its own train_step (compile takes its optimizers)
+    batch_norm: bool = False  # BatchNormalization: each replica normalizes by its own rows' statistics
 
 
 def _tokens(rows, seed=0):
@@ -225,9 +226,9 @@ CASES = {c.name: c for c in [
     Case("vit", vit, _images, _lm_loss()),
     Case("bart", bart, _bart_data, _lm_loss()),
     Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
-    Case("resnet50v2", _application("ResNet50V2"), _images),
-    Case("mobilenetv3small", _application("MobileNetV3Small"), _images),
-    Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images),
+    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True),
+    Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True),
+    Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True),
     Case("own_step", OwnStep, _images, None, own_step=True),
     Case("gan", GAN, lambda rows: (_images(rows)[0], None), None, own_step=True),
 ]}
