@@ -93,7 +93,8 @@ _VERIFIED = {("gpt2", "fp16", "flat"), ("bert", "fp16", "flat"), ("llama", "fp16
              ("mixtral", "fp32 mirrored", "flat"), ("bert", "fp16 mirrored", "flat"),
              ("gpt2", "bf16 mirrored", "flat"), ("vit", "bf16 mirrored", "flat"),
              ("llama", "bf16 mirrored", "per-variable"), ("gan", "bf16 mirrored", "per-variable"),
-             ("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat")}
+             ("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat"),
+             ("own_step", "fp16 mirrored", "per-variable")}
 _FULL = os.environ.get("KMP_FULL_MATRIX") == "1"
 
 _REFERENCES = {}
