@@ -272,7 +272,8 @@ def skipped_steps(model) -> int:
         if hasattr(opt, "skipped_steps"):
             total += int(opt.skipped_steps.numpy())
         elif isinstance(opt, keras.optimizers.LossScaleOptimizer):  # Keras's: a skipped step leaves iterations
-            total += int(model._test_steps_seen) - int(opt.iterations.numpy())
+            # `iterations` counts updates under gradient accumulation; `_iterations`, each step applied.
+            total += int(model._test_steps_seen) - int(opt.inner_optimizer._iterations.numpy())
     return total
 
 
