@@ -95,7 +95,8 @@ _VERIFIED = {("gpt2", "fp16", "flat"), ("bert", "fp16", "flat"), ("llama", "fp16
              ("llama", "bf16 mirrored", "per-variable"), ("gan", "bf16 mirrored", "per-variable"),
              ("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat"),
              ("own_step", "fp16 mirrored", "per-variable"), ("gpt2", "accumulation 2 + clipping", "flat"),
-             ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"), ("llama", "zero 1", "flat")}
+             ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"), ("llama", "zero 1", "flat"),
+             ("vit", "zero 1", "flat")}
 _FULL = os.environ.get("KMP_FULL_MATRIX") == "1"
 
 _REFERENCES = {}
