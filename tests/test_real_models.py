@@ -96,7 +96,8 @@ _VERIFIED = {("gpt2", "fp16", "flat"), ("bert", "fp16", "flat"), ("llama", "fp16
              ("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat"),
              ("own_step", "fp16 mirrored", "per-variable"), ("gpt2", "accumulation 2 + clipping", "flat"),
              ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"), ("llama", "zero 1", "flat"),
-             ("vit", "zero 1", "flat"), ("gpt2", "8-bit states", "flat")}
+             ("vit", "zero 1", "flat"), ("gpt2", "8-bit states", "flat"),
+             ("bert", "8-bit states", "per-variable")}
 _FULL = os.environ.get("KMP_FULL_MATRIX") == "1"
 
 _REFERENCES = {}
