@@ -211,8 +211,6 @@ MULTI_WORKER = [("gpt2", "mixed_float16", "flat"), ("mobilenetv3small", "mixed_b
 
 
 def test_real_models_train_on_two_workers(tmp_path, record_property, two_replicas):
-    if not _FULL:
-        pytest.skip("not yet run green in the whole suite: runs with KMP_FULL_MATRIX=1")
     import json
     import sys
     from pathlib import Path
