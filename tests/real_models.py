@@ -29,6 +29,7 @@ class Case:
     data: object   # (rows) -> (x, y)
     loss: object = "sparse_categorical_crossentropy"
     own_step: bool = False  # the model trains with its own train_step (compile takes its optimizers)
+    batch_norm: bool = False  # BatchNormalization: each replica normalizes by its own rows' statistics
 
 
 def _tokens(rows, seed=0):
@@ -163,10 +164,19 @@ class GAN(keras.Model):
                                                keras.layers.LeakyReLU(0.2), keras.layers.Flatten(),
                                                keras.layers.Dense(1)])
         self.d_tracker, self.g_tracker = keras.metrics.Mean(name="d_loss"), keras.metrics.Mean(name="g_loss")
+        # Both parts are built from their Inputs. An unbuilt model is built by fit() under a strategy
+        # by calling it on the data (stock Keras alike), which here is images, not latent vectors.
+        self.built = True
+        # Here, not in the first train step: under a strategy, a variable created inside a step fails
+        # ("You must feed a value for placeholder tensor '.../cond/Placeholder'"), stock Keras alike.
+        self.seed = keras.random.SeedGenerator(7)
 
     def compile(self, d_optimizer, g_optimizer, **kwargs):
         super().compile(**kwargs)
         self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        # Their variables too (fit() builds `model.optimizer` only, and this model has none).
+        d_optimizer.build(self.discriminator.trainable_variables)
+        g_optimizer.build(self.generator.trainable_variables)
 
     def call(self, z, training=False):
         return self.generator(z, training=training)
@@ -193,15 +203,12 @@ class GAN(keras.Model):
             scaled = self.g_optimizer.scale_loss(g_loss)
         grads = tape.gradient(scaled, self.generator.trainable_variables)
         self.g_optimizer.apply(grads, self.generator.trainable_variables)
-        self.d_tracker.update_state(d_loss)
-        self.g_tracker.update_state(g_loss)
+        # Under a strategy Keras's losses come divided by the replicas (their gradients are summed):
+        # the logs show the loss itself, as Keras's own train_step does.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self.d_tracker.update_state(d_loss * replicas)
+        self.g_tracker.update_state(g_loss * replicas)
         return {"d_loss": self.d_tracker.result(), "g_loss": self.g_tracker.result()}
-
-    @property
-    def seed(self):
-        if not hasattr(self, "_seed"):
-            self._seed = keras.random.SeedGenerator(7)
-        return self._seed
 
     @property
     def metrics(self):
@@ -219,9 +226,9 @@ CASES = {c.name: c for c in [
     Case("vit", vit, _images, _lm_loss()),
     Case("bart", bart, _bart_data, _lm_loss()),
     Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
-    Case("resnet50v2", _application("ResNet50V2"), _images),
-    Case("mobilenetv3small", _application("MobileNetV3Small"), _images),
-    Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images),
+    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True),
+    Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True),
+    Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True),
     Case("own_step", OwnStep, _images, None, own_step=True),
     Case("gan", GAN, lambda rows: (_images(rows)[0], None), None, own_step=True),
 ]}
@@ -265,7 +272,8 @@ def skipped_steps(model) -> int:
         if hasattr(opt, "skipped_steps"):
             total += int(opt.skipped_steps.numpy())
         elif isinstance(opt, keras.optimizers.LossScaleOptimizer):  # Keras's: a skipped step leaves iterations
-            total += int(model._test_steps_seen) - int(opt.iterations.numpy())
+            # `iterations` counts updates under gradient accumulation; `_iterations`, each step applied.
+            total += int(model._test_steps_seen) - int(opt.inner_optimizer._iterations.numpy())
     return total
 
 
