@@ -84,22 +84,6 @@ MATRIX = [
 # float16 rounding), and every step of the three overflows, in stock Keras and in kmp alike.
 _LOOSER = {("resnet50v2", "mixed_float16"): 5e-2}
 
-# The cases seen green so far. The others run with KMP_FULL_MATRIX=1: each failed or was not
-# reached in their first run in the whole suite, and is still to be made to pass.
-_VERIFIED = {("gpt2", "fp16", "flat"), ("bert", "fp16", "flat"), ("llama", "fp16", "flat"), ("vit", "fp16", "flat"),
-             ("bart", "fp16", "flat"), ("mobilenetv3small", "fp16", "flat"), ("efficientnetv2b0", "fp16", "flat"),
-             ("gpt2", "fp16", "per-variable"), ("own_step", "fp16", "per-variable"),
-             ("gan", "fp16", "per-variable"), ("mixtral", "fp32", "per-variable"),
-             ("mixtral", "fp32 mirrored", "flat"), ("bert", "fp16 mirrored", "flat"),
-             ("gpt2", "bf16 mirrored", "flat"), ("vit", "bf16 mirrored", "flat"),
-             ("llama", "bf16 mirrored", "per-variable"), ("gan", "bf16 mirrored", "per-variable"),
-             ("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat"),
-             ("own_step", "fp16 mirrored", "per-variable"), ("gpt2", "accumulation 2 + clipping", "flat"),
-             ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"), ("llama", "zero 1", "flat"),
-             ("vit", "zero 1", "flat"), ("gpt2", "8-bit states", "flat"),
-             ("bert", "8-bit states", "per-variable")}
-_FULL = os.environ.get("KMP_FULL_MATRIX") == "1"
-
 _REFERENCES = {}
 
 
@@ -151,8 +135,6 @@ def _kmp_model(case, axis, path, strategy):
 @pytest.mark.parametrize("name, axis_name, path", [
     pytest.param(*c, id="-".join(c).replace(" ", "_"), marks=pytest.mark.xdist_group(c[0])) for c in MATRIX])
 def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, two_replicas, tmp_path, record_property):
-    if not _FULL and (name, axis_name, path) not in _VERIFIED:
-        pytest.skip("not yet green in the whole suite: runs with KMP_FULL_MATRIX=1")
     case, axis = CASES[name], AXES[axis_name]
     strategy = two_replicas if axis.replicas == 2 else tf.distribute.get_strategy()
     model = _kmp_model(case, axis, path, strategy)
