@@ -84,7 +84,28 @@ MATRIX = [
 # float16 rounding), and every step of the three overflows, in stock Keras and in kmp alike.
 _LOOSER = {("resnet50v2", "mixed_float16"): 5e-2}
 
+# Green when run alone (KMP_FULL_MATRIX=1 runs them), but kept out of the default run: with them the
+# suite's two worker processes grew to 13.6 and 10.3 GB (24 GB machine) and stalled. Each should
+# run in its own process first.
+_HEAVY = {("resnet50v2", "fp16", "per-variable"), ("mobilenetv3small", "fp16 mirrored", "flat"),
+          ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"), ("llama", "zero 1", "flat")}
+_FULL = os.environ.get("KMP_FULL_MATRIX") == "1"
+
 _REFERENCES = {}
+
+
+@pytest.fixture(autouse=True)
+def _return_freed_memory():
+    """The C heap a case freed goes back to the system (glibc keeps it otherwise)."""
+    yield
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
 
 
 def _wrap_args(axis):
@@ -135,6 +156,8 @@ def _kmp_model(case, axis, path, strategy):
 @pytest.mark.parametrize("name, axis_name, path", [
     pytest.param(*c, id="-".join(c).replace(" ", "_"), marks=pytest.mark.xdist_group(c[0])) for c in MATRIX])
 def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, two_replicas, tmp_path, record_property):
+    if not _FULL and (name, axis_name, path) in _HEAVY:
+        pytest.skip("heavy in one process with the rest of the suite: runs with KMP_FULL_MATRIX=1")
     case, axis = CASES[name], AXES[axis_name]
     strategy = two_replicas if axis.replicas == 2 else tf.distribute.get_strategy()
     model = _kmp_model(case, axis, path, strategy)
@@ -193,6 +216,9 @@ MULTI_WORKER = [("gpt2", "mixed_float16", "flat"), ("mobilenetv3small", "mixed_b
 
 
 def test_real_models_train_on_two_workers(tmp_path, record_property, two_replicas):
+    if not _FULL:
+        pytest.skip("heavy beside the rest of the suite (MobileNetV3Small's reference in this process): "
+                    "runs with KMP_FULL_MATRIX=1")
     import json
     import sys
     from pathlib import Path
