@@ -10,7 +10,7 @@ strategy, and one device (Keras with and without whole-step XLA).
 P2 (target <= 1.05x): kmp's dynamic loss scaling vs a static scale, on the
 same step, on one device and under the strategy.
 
-Issue 12's P1 targets (`--issue12`: only the rows they compare, no P2):
+P1's targets (`--targets`: only the rows they compare, no P2):
 kmp prepared under the strategy <= 1.15x stock Keras on ONE device with
 whole-step XLA (same global batch), and <= 0.45x stock Keras under the
 strategy. kmp is measured prepared per variable (`flat_buffers=False`) and
@@ -19,7 +19,7 @@ stage 0 and 1 (kmp.engine.zero); besides ms per step, it prints each row's whole
 fit() seconds and its first fit().
 
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
-    python benchmarks/p1_p2_step_time.py --issue12 [--rounds 3] [--steps 15]
+    python benchmarks/p1_p2_step_time.py --targets [--rounds 3] [--steps 15]
 
 Run it on a quiet machine: it reports medians of interleaved rounds.
 """
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--issue12", action="store_true", help="only the rows issue 12 compares; no P2")
+    parser.add_argument("--targets", action="store_true", help="only the rows the targets compare; no P2")
     args = parser.parse_args()
 
     use_two_logical_cpus()
@@ -83,7 +83,7 @@ def main() -> None:
     kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
     kmp_stage_1 = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, zero_stage=1)
 
-    p1 = {  # built lazily: --issue12 builds five
+    p1 = {  # built lazily: --targets builds five
         "Mirrored, mixed_float16, Keras LSO (stock)": lambda: compiled(mirrored, "mixed_float16", keras_lso),
         "Mirrored, mixed_float16, kmp prepared": lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, "auto"),
         "Mirrored, mixed_float16, kmp prepared, flat buffers":
@@ -113,11 +113,11 @@ def main() -> None:
             print(f"{name}: build + first fit() (trace, compile, 2 steps) {rows[name].first:.1f} s")
         return rows
 
-    if args.issue12:
+    if args.targets:
         rows = built([stock, prepared, flat, stage_1, one_xla])
         times = interleaved(rows, args.rounds)
-        report("Issue 12, P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", times, one_xla)
-        report("Issue 12, P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", times, stock)
+        report("P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", times, one_xla)
+        report("P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", times, stock)
         print(f"\nWhole fit() of {args.steps} steps: seconds, median (min-max) of the timed calls; "
               f"first: build + the first fit() (trace, compile, 2 steps)")
         for name, row in rows.items():

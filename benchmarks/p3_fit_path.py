@@ -1,6 +1,6 @@
 """P3 through the path fit() uses: Adam's update per step, driven by `model.fit`.
 
-p3_fused_bandwidth.py times the update alone; issue 12 asks for it
+p3_fused_bandwidth.py times the update alone; the targets ask for it
 "measured through the path fit() uses". Here a model holds `count` float32
 weight vectors of `size` (200 x 100K: 20M parameters; 2000 x 1K: 2M)
 and its forward pass is trivial, so the update dominates the step:
@@ -61,7 +61,7 @@ flat update` the first call (trace + compile).
 
     python benchmarks/p3_fit_path.py --quick   # 3 rounds of 8 steps: ~10-15 minutes on 2 cores
     python benchmarks/p3_fit_path.py           # 7 rounds of 20 steps: ~20-25 minutes
-    python benchmarks/p3_fit_path.py --issue12 --quick   # issue 12's rows (copy, references, keras,
+    python benchmarks/p3_fit_path.py --targets --quick   # the targets' rows (copy, references, keras,
                                                          # kmp per variable, kmp flat): ~5 minutes
 
 Most of the time is the first calls of the 2000-variable rows (XLA
@@ -79,7 +79,7 @@ import isolated
 LAYOUTS = [(200, 100_000), (2000, 1_000)]
 ROWS = ["copy", "copy/var", "fit floor", "fwd/bwd only", "keras", "keras+xla", "kmp", "kmp+xla", "kmp flat",
         "kmp flat update"]
-ISSUE12 = ["copy", "fit floor", "fwd/bwd only", "keras", "kmp", "kmp flat", "kmp flat update"]
+TARGET_ROWS = ["copy", "fit floor", "fwd/bwd only", "keras", "kmp", "kmp flat", "kmp flat update"]
 REFERENCES = ROWS[:4]  # kept alive for the whole run; each Adam row is timed interleaved with them
 BATCH = 8
 
@@ -253,13 +253,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of 8 steps (default: 7 rounds of 20)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of " + ",".join(ROWS))
-    parser.add_argument("--issue12", action="store_true", help="issue 12's rows: " + ",".join(ISSUE12))
+    parser.add_argument("--targets", action="store_true", help="the targets' rows: " + ",".join(TARGET_ROWS))
     parser.add_argument("--layouts", default="200x100000,2000x1000")
     parser.add_argument("--build-limit", type=float, default=900.0, help="seconds per row for its first call")
     parser.add_argument("--rss-limit", type=float, default=16.0, help="GiB per row")
     args = parser.parse_args(argv)
     rounds, steps = (3, 8) if args.quick else (7, 20)
-    rows = ISSUE12 if args.issue12 else args.rows.split(",")
+    rows = TARGET_ROWS if args.targets else args.rows.split(",")
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {','.join(ROWS)}")

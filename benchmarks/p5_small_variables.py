@@ -1,6 +1,6 @@
 """P5: a model of >= 1000 small variables, mixed_float16, one device.
 
-Issue 12's "many small variables" model: `blocks` Dense(64) + LayerNormalization
+The "many small variables" model: `blocks` Dense(64) + LayerNormalization
 blocks (4 variables each, so 250 blocks are 1004 variables with the final
 LayerNormalization and the head), a float32 Dense(1) head, Adam, mse, batch 64, on one device (no strategy), with
 the mixed_float16 policy; the blocks are either
@@ -37,17 +37,17 @@ GiB; and 2 GiB left on the machine); a row past either is killed and
 reported as "did not finish". The `keras` row (the baseline) stays alive;
 each other row is timed in rounds interleaved with it, then ended. Reported: ms per step
 (fit() in steady state, common.fit_ms_per_step), median over rounds
-(min-max), the ratio to stock Keras without XLA (issue 12's target for kmp:
+(min-max), the ratio to stock Keras without XLA (the target for kmp:
 <= 0.5x), and the first fit() call of 2 steps (trace + compile + 2 steps;
-issue 12's target for the first epoch: <= 60 s).
+the target for the first epoch: <= 60 s).
 
     python benchmarks/p5_small_variables.py --blocks 25,100,250                  # stacked
     python benchmarks/p5_small_variables.py --layout parallel --blocks 25,100,250
     [--rounds 3] [--steps 10] [--rows keras,kmp] [--xla-limit 300] [--rss-limit 16]
-    python benchmarks/p5_small_variables.py --issue12   # 250 stacked blocks: keras, kmp, kmp flat, keras+xla
+    python benchmarks/p5_small_variables.py --targets   # 250 stacked blocks: keras, kmp, kmp flat, keras+xla
 
 The +xla rows of 250 blocks are expected to be killed at their limit
-(issue 12: stock Keras with XLA ran 40 minutes and filled 24 GiB).
+(stock Keras with XLA ran 40 minutes and filled 24 GiB).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ import time
 import isolated
 
 ROWS = ["keras", "keras+xla", "kmp", "kmp+xla", "kmp flat"]
-ISSUE12 = ["keras", "kmp", "kmp flat", "keras+xla"]  # the XLA row last: it may hit its limit
+TARGET_ROWS = ["keras", "kmp", "kmp flat", "keras+xla"]  # the XLA row last: it may hit its limit
 WIDTH, BATCH = 64, 64
 
 
@@ -136,16 +136,16 @@ def main(argv=None):
     parser.add_argument("--layout", choices=["stacked", "parallel"], default="stacked")
     parser.add_argument("--blocks", default="25,100,250")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--issue12", action="store_true",
-                        help=f"issue 12's comparison: --blocks 250 --rows {','.join(ISSUE12)}")
+    parser.add_argument("--targets", action="store_true",
+                        help=f"the targets' comparison: --blocks 250 --rows {','.join(TARGET_ROWS)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed fit()")
     parser.add_argument("--xla-limit", type=float, default=300.0, help="seconds for a +xla row's first call")
     parser.add_argument("--build-limit", type=float, default=1200.0, help="seconds for another row's first call")
     parser.add_argument("--rss-limit", type=float, default=16.0, help="GiB per row")
     args = parser.parse_args(argv)
-    if args.issue12:
-        args.blocks, args.rows = "250", ",".join(ISSUE12)
+    if args.targets:
+        args.blocks, args.rows = "250", ",".join(TARGET_ROWS)
     unknown = [row for row in args.rows.split(",") if row not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {','.join(ROWS)}")

@@ -10,7 +10,7 @@ one XLA function over the same three buffers, side by side:
 - kmp's update (learning rate and step count at run time, as a schedule needs);
 - a flat copy of the weights (the bandwidth limit).
 
-Found on 2026-11-26 (docs/distributed.md, "What limits P1"), before the fix: the optimized
+Found before the fix (figures: benchmarks/RESULTS.md, "The flat update's learning rate"): the optimized
 HLO of the first two is the same three loop fusions, yet the runtime scalar
 in the weights' fusion costs about 1.5 ms on 2.6M elements (2.0 -> 3.5 ms);
 the unused argument costs nothing. The cause: XLA:CPU (TensorFlow 2.21)
