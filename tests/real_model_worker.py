@@ -1,11 +1,18 @@
-"""One MultiWorkerMirroredStrategy worker of tests/test_real_models.py: real models trained under kmp.
+"""A fresh process that trains real models for tests/test_real_models.py.
 
-    python tests/real_model_worker.py OUT.json CASE:POLICY:PATH [CASE:POLICY:PATH ...]
+    python tests/real_model_worker.py local OUT.json SPECS.json
+    python tests/real_model_worker.py workers OUT.json CASE:POLICY:PATH [CASE:POLICY:PATH ...]
 
-TF_CONFIG names the cluster (kmp.cli.launch.LocalJob sets it). Each case is built,
-wrapped, prepared and trained as the in-process matrix does, on each worker's
-share of the same global batches; OUT.json gets, per case, each step's loss
-and the path kmp took.
+`local`: one process with two logical CPUs measures each [model, axis, path] of
+SPECS.json as tests/real_models.measure does (path null: only stock Keras's
+reference). Each model's cases run in a process of their own because XLA's
+compilation cache is never freed: the suite's processes grew past 13 GB with
+the conv nets' executables.
+
+`workers`: one MultiWorkerMirroredStrategy worker; TF_CONFIG names the cluster
+(kmp.cli.launch.LocalJob sets it). Each case is built, wrapped, prepared and
+trained as the local matrix does, on each worker's share of the same global
+batches; OUT.json gets, per case, each step's loss and the path kmp took.
 """
 
 import json
@@ -17,19 +24,37 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:0] = [os.path.dirname(here), here]
+    mode, out, *specs = argv
+    return local(out, specs[0]) if mode == "local" else workers(out, specs)
+
+
+def local(out: str, specs_file: str) -> int:
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    import real_models
+
+    with open(specs_file, encoding="utf-8") as f:
+        specs = json.load(f)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    real_models.measure_all(specs, strategy, os.path.dirname(os.path.abspath(out)), out)
+    return 0
+
+
+def workers(out: str, specs: list[str]) -> int:
     import keras
     import tensorflow as tf
 
     import kmp
     import real_models
     from kmp.engine import replica_step
-    from test_real_models import BATCH, STEPS
 
     tf.config.threading.set_intra_op_parallelism_threads(1)  # two workers share the cores
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=150)
     strategy = kmp.distribute.resolve_strategy(communication_options=options)
     results = {}
-    for spec in argv[1:]:
+    for spec in specs:
         name, policy, path = spec.split(":")
         case = real_models.CASES[name]
         keras.config.set_dtype_policy(policy)
@@ -38,11 +63,11 @@ def main(argv: list[str]) -> int:
             model = case.build()
             real_models.compile_case(case, model, lambda: kmp.wrap(real_models.adamw()))
         kmp.prepare(model, flat_buffers=path == "flat")
-        losses = real_models.fit_steps(case, model, STEPS, BATCH)
+        losses = real_models.fit_steps(case, model, real_models.STEPS, real_models.BATCH)
         results[spec] = {"losses": losses, "path": replica_step.describe_path(model),
                          "replicas": strategy.num_replicas_in_sync,
                          "skipped": real_models.skipped_steps(model)}
-    with open(argv[0], "w", encoding="utf-8") as f:
+    with open(out, "w", encoding="utf-8") as f:
         json.dump(results, f)
     return 0
 

@@ -13,11 +13,14 @@ before it is called), so stock Keras and kmp can be compared step for step.
 from __future__ import annotations
 
 import dataclasses
+import os
+import traceback
 
 import keras
 import numpy as np
 
 VOCAB, SEQ, IMAGE = 128, 16, (32, 32, 3)
+STEPS, BATCH = 3, 8
 # The user property each trained case records its path under, printed at the end of the run (tests/conftest.py).
 PATH_TAKEN = "kmp path taken"
 
@@ -284,3 +287,166 @@ def fit_steps(case, model, steps, batch):
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
     model._test_steps_seen = getattr(model, "_test_steps_seen", 0) + steps
     return recorder.losses()
+
+
+# --- The matrix's axes, and one case measured: kmp, stock Keras, a reload ---
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    policy: str
+    replicas: int = 1
+    wrap: tuple = ()     # kmp.wrap's keyword arguments, as pairs
+    rtol: float = 1e-2
+
+
+AXES = {
+    "fp16": Axis("mixed_float16"),
+    "fp32": Axis("float32"),
+    "fp32 mirrored": Axis("float32", 2),
+    "bf16 mirrored": Axis("mixed_bfloat16", 2, rtol=3e-2),
+    "fp16 mirrored": Axis("mixed_float16", 2),
+    "accumulation 2 + clipping": Axis("mixed_float16", wrap=(("gradient_accumulation_steps", 2),
+                                                            ("gradient_clipping", 1.0))),
+    "zero 1": Axis("mixed_bfloat16", 2, wrap=(("zero_stage", 1),), rtol=3e-2),
+    "8-bit states": Axis("mixed_float16", wrap=(("states", "8bit"),), rtol=3e-2),
+}
+
+_REFERENCES = {}
+
+
+def reference_key(case, axis) -> tuple:
+    """What stock Keras's reference for the case depends on: cases with one key share it."""
+    fp16 = axis.policy == "mixed_float16"  # bf16 and fp32: against float32
+    return case.name, fp16, dict(axis.wrap).get("gradient_accumulation_steps"), case.batch_norm and axis.replicas > 1
+
+
+def reference(case, axis, strategy):
+    """Stock Keras: each step's loss and the skipped steps (cached per model and settings).
+
+    On one device, but for a model with BatchNormalization on several replicas: each replica
+    normalizes by its own rows' statistics, which one device cannot match (MobileNetV3Small's first
+    loss, before any update: 4% apart), so it runs under `strategy`, without XLA (Keras's XLA step
+    fails under a strategy).
+    """
+    import tensorflow as tf
+
+    args = dict(axis.wrap)
+    key = reference_key(case, axis)
+    fp16, replicated = key[1], key[3]
+    if key not in _REFERENCES:
+        extra = {}
+        if "gradient_accumulation_steps" in args:
+            extra = {"gradient_accumulation_steps": args["gradient_accumulation_steps"],
+                     "global_clipnorm": args["gradient_clipping"]}
+
+        def make():
+            inner = adamw(**extra)
+            return keras.optimizers.LossScaleOptimizer(inner) if fp16 else inner
+
+        keras.config.set_dtype_policy("mixed_float16" if fp16 else "float32")
+        keras.utils.set_random_seed(0)
+        with (strategy if replicated else tf.distribute.get_strategy()).scope():
+            model = case.build()
+            compile_case(case, model, make, jit_compile=not replicated)
+        _REFERENCES[key] = fit_steps(case, model, STEPS, BATCH), skipped_steps(model)
+    return _REFERENCES[key]
+
+
+def kmp_model(case, axis, path, strategy):
+    """The case's model built, compiled with kmp.wrap(AdamW) and prepared, as a user does."""
+    import kmp
+
+    keras.config.set_dtype_policy(axis.policy)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = case.build()
+        compile_case(case, model, lambda: kmp.wrap(adamw(), **dict(axis.wrap)))
+    return kmp.prepare(model, flat_buffers=path == "flat")
+
+
+def measure(name, axis_name, path, strategy, directory) -> dict:
+    """One case of the matrix: kmp's losses, path and skipped steps, stock Keras's, and the reload.
+
+    "reload" is None when a `.keras` file of the trained model loads and takes one more step
+    equal to the live model's, else what differed.
+    """
+    from kmp.engine import replica_step
+
+    case, axis = CASES[name], AXES[axis_name]
+    if axis.replicas == 1:
+        import tensorflow as tf
+
+        strategy = tf.distribute.get_strategy()
+    model = kmp_model(case, axis, path, strategy)
+    losses = fit_steps(case, model, STEPS, BATCH)
+    result = {"losses": losses, "path": replica_step.describe_path(model),
+              "flat": replica_step.path_of(model)["taken"].startswith("flat buffers"),
+              "skipped": skipped_steps(model)}
+    result["reference"], result["reference_skipped"] = reference(case, axis, strategy)
+    result["reload"] = None
+    if case.name != "gan":  # its compile() takes two optimizers of its own: not restored from the file
+        try:
+            _reload_and_step(case, model, axis, path, strategy, directory)
+        except AssertionError as e:
+            result["reload"] = str(e)
+    return result
+
+
+def _reload_and_step(case, model, axis, path, strategy, directory):
+    import kmp
+
+    file = os.path.join(directory, "model.keras")
+    model.save(file)
+    with strategy.scope():
+        loaded = keras.saving.load_model(file)
+        if _is_hub_task(loaded):
+            # keras-hub's tasks compile themselves with their defaults when built, and a
+            # .keras file restores those, not the optimizer saved (stock Keras alike): the user
+            # compiles again, and the state comes from a weights file (as ModelCheckpoint's).
+            weights = os.path.join(directory, "model.weights.h5")
+            model.save_weights(weights)
+            compile_case(case, loaded, lambda: kmp.wrap(adamw(), **dict(axis.wrap)))
+            loaded.optimizer.build(loaded.trainable_variables)
+            loaded.load_weights(weights)
+    for live, again in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(again, live, err_msg="the loaded weights")
+    kmp.prepare(loaded, flat_buffers=path == "flat")
+    # Dropout's seed states are not in a .keras file (Keras saves weights, not these): both
+    # models draw the same masks only from the same state.
+    for live, again in zip(*([v for v in m.variables if "seed_generator_state" in v.path] for m in (model, loaded))):
+        again.assign(live.numpy())
+    # One more step through fit(), as the training took: the live model reuses fit()'s traced step,
+    # and train_on_batch would trace another program for it alone (the whole batch on each replica),
+    # whose bfloat16 sums round in another order: ~4e-6 apart after one step (GPT-2, two replicas).
+    for m in (model, loaded):
+        fit_steps(case, m, 1, BATCH)
+    for live, again in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(again, live, rtol=1e-6, atol=1e-7, err_msg="after one more step")
+
+
+def _is_hub_task(model) -> bool:
+    import keras_hub
+
+    return isinstance(model, keras_hub.models.Task)
+
+
+def measure_all(specs, strategy, directory, out) -> dict:
+    """Each spec measured (or, with path None, only stock Keras's reference); a spec that raises
+    records its traceback. `out` is rewritten after each, so a crash keeps what was measured."""
+    import json
+
+    results = {}
+    for name, axis_name, path in specs:
+        key = "|".join((name, axis_name, path or "reference"))
+        try:
+            if path is None:
+                losses, skipped = reference(CASES[name], AXES[axis_name], strategy)
+                results[key] = {"reference": losses, "reference_skipped": skipped}
+            else:
+                results[key] = measure(name, axis_name, path, strategy, directory)
+        except Exception:  # noqa: BLE001 - the test shows it
+            results[key] = {"error": traceback.format_exc()}
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(results, f)
+    return results
