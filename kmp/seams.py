@@ -13,7 +13,10 @@ TensorFlow. They are listed here and nowhere else:
   imported; this table documents them.
 
 tests/test_keras_seams.py checks every entry of both tables against the
-installed versions, so an upgrade fails there first, naming the seam.
+installed versions, so an upgrade fails there first, naming the seam. It also
+reads kmp's source: a private name kmp uses on an object not its own and not
+listed here fails there, naming the file and line. (What kmp keeps on a
+user's model is its own: one attribute, kmp.engine.state.)
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_autoconvert_optionals",
         "_initial_epoch",          # kmp.callbacks.BackupAndRestore: the epoch fit() resumes at
         "_symbolic_build",         # kmp.engine.overflow_layer: builds the optimizer before the step reads its counter
+        "_compile_metrics",        # kmp.prepare: whether Keras still needs a batch to build them
+        "_compile_loss",
     ),
     "keras.layers.Layer": (
         "_flatten_layers",         # kmp.engine.overflow_layer: a layer's direct sublayers, to number them
@@ -101,7 +106,8 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "keras.optimizers.Optimizer": (
         "_learning_rate",          # kmp.engine.fused: variable, schedule or callable
-        "_iterations",
+        "_iterations",             # (also read by tests/real_models.py: the steps an optimizer took)
+        "_get_current_learning_rate",  # kmp.LossScaleOptimizer's flat update: the rate of this step
         "_trainable_variables",
         "_trainable_variables_indices",
         "_var_key",
@@ -112,11 +118,19 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_momentums",              # Adam, AdamW
         "_velocities",             # Adam, AdamW
     ),
+    "keras.optimizers.Optimizer(gradient_accumulation_steps=N)": (
+        "_accumulated_gradients",  # kmp.memory.allocation: counted as accumulators
+    ),
+    # kmp.engine.rules: the slots the flat buffers train in place of Keras's.
+    "keras.optimizers.Adagrad": ("_accumulators",),
+    "keras.optimizers.Lion": ("_momentums",),
+    "keras.optimizers.Lamb": ("_momentums", "_velocities"),
     "keras.Variable (TensorFlow backend)": (
         "_value",                  # kmp.engine.zero: the TensorFlow variable behind it, moved to host memory and back
     ),
     "keras TFOptimizer": (
         "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored
+        "_distribution_strategy",  # kmp.Adam8bit.build: the strategy its variables are made under
     ),
     "tf.experimental.Optional": (
         "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace
@@ -126,6 +140,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": (
         "_get_variable_creator_initial_value",  # kmp.distribute.same_start: shadowed on the instance for a block
+        "_use_merge_call",         # kmp.distribute.communication: whether its replicas run with merge_call
     ),
     "tf.distribute MultiWorkerMirroredStrategy's extended": (
         "_cross_device_ops",       # kmp.distribute.scatter: its launchers, for the all-to-all
@@ -143,9 +158,14 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     "tf.data.Dataset": (
         "_inputs",                 # kmp.input_pipeline: walks the pipeline to refuse a batched dataset
     ),
+    "type names in a tf.data pipeline": (  # kmp.input_pipeline compares them: an unbatch undoes a batch
+        "_UnbatchDataset", "_DenseToRaggedDataset",
+    ),
     "tf.__internal__.distribute": (
-        "strategy_supports_no_merge_call",  # kmp.LossScaleOptimizer
-        "interim",                          # .maybe_merge_call: Keras's own route to merge_call or not
+        "interim",                 # .maybe_merge_call (kmp.LossScaleOptimizer): Keras's own route to merge_call or not
+    ),
+    "tf.__internal__.tracking": (
+        "Trackable",               # kmp.engine.replica_state.PerReplicaWindow: saved by tf.train.Checkpoint
     ),
 }
 

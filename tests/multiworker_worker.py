@@ -105,6 +105,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
 
     import kmp.distribute
     import kmp.engine.engine
+    import kmp.engine.state
     import kmp.scaling.optimizer
 
     keras.config.set_dtype_policy("mixed_float16")
@@ -140,7 +141,8 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
         # engine's (prepare's default), else kmp.engine.replica_step's.
         "flat_buffers": engine is not None,
         "sharded": bool(engine and engine.buffers.sharded),
-        "xla_per_replica": len(vars(engine).get("_steps", {})) if engine else len(vars(model).get("_kmp_replica_steps", {})),
+        "xla_per_replica": (len(vars(engine).get("_steps", {})) if engine
+                            else len(kmp.engine.state.ensure(model).replica_steps)),
         "state": {
             "scale": float(opt.dynamic_scale.numpy()),
             **{k: int(getattr(opt, k).numpy()) for k in

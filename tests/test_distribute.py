@@ -17,6 +17,7 @@ import tensorflow as tf
 import kmp
 from kmp import distribute
 from kmp.engine import prepare as trainer
+from kmp.engine import state
 from kmp.distribute import strategy as strategy_module
 from kmp.config.deepspeed import load_config
 from kmp.errors import ConfigError
@@ -236,6 +237,38 @@ def test_prepare_is_idempotent():
     first = {name: vars(model)[name] for name in trainer._REPLACEMENTS}
     assert distribute.prepare(distribute.prepare(model)) is model
     assert {name: vars(model)[name] for name in trainer._REPLACEMENTS} == first
+
+
+def test_kmp_keeps_one_attribute_on_the_model_which_keras_neither_saves_nor_clones(tmp_path):
+    """docs/keras-changes.md: everything kmp keeps about a prepared model is in model.__dict__["_kmp"]."""
+    import h5py
+
+    keras.config.set_dtype_policy("mixed_float16")  # kmp's optimizer: the flat buffers and the layer finder
+    model = _model()
+    assert state.of(model) is None
+    kmp.prepare(model, jit_compile=False, wall_clock_breakdown=False)
+    x, y = np.random.default_rng(0).normal(size=(8, 4)).astype("float32"), np.arange(8) % 3
+    model.fit(x, y, batch_size=4, verbose=0)
+    kept = state.of(model)
+    assert kept.prepared and kept.settings == (False, True, "auto", False)
+    assert kept.engine is not None and kept.overflow_layer is not None and kept.path["taken"]  # the caches are in it
+    assert [name for name in vars(model) if name.startswith("_kmp")] == ["_kmp"]
+    expected = model.predict(x, verbose=0)
+
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert state.of(loaded) is None and not distribute.is_prepared(loaded)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
+    with h5py.File(tmp_path / "m.weights.h5") as saved:
+        names = []
+        saved.visit(names.append)
+    assert names and not [name for name in names if "_kmp" in name]
+
+    clone = keras.models.clone_model(model)
+    assert state.of(clone) is None and not distribute.is_prepared(clone)
+    clone.set_weights(model.get_weights())
+    np.testing.assert_array_equal(clone.predict(x, verbose=0), expected)
 
 
 @pytest.mark.parametrize("value", [keras.layers.Dense(2), "model", None])

@@ -125,6 +125,8 @@ def test_leaves_import_only_errors():
     assert GRAPH["kmp.errors"] == set()
     for name in ("kmp.values", "kmp.seams"):
         assert GRAPH[name] <= {"kmp.errors"}, (name, GRAPH[name])
+    # What kmp keeps on a model (kmp.engine.state): read by the engine's modules, so below them all.
+    assert GRAPH["kmp.engine.state"] == set() and not OTHERS["kmp.engine.state"] & {"tensorflow", "keras"}
 
 
 @pytest.mark.parametrize("name", ["kmp", "kmp.config", "kmp.schedules.formulas", "kmp.memory.estimate", "kmp.cli",

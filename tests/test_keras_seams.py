@@ -8,10 +8,15 @@ silently going wrong. It also checks that a moved seam breaks only the
 feature that needs it.
 """
 
+import ast
+import functools
 import hashlib
 import inspect
+import re
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -43,8 +48,8 @@ def _model():
     return model
 
 
-def _built(kind):
-    opt = kind(0.1)
+def _built(kind, **kwargs):
+    opt = kind(0.1, **kwargs)
     opt.build([keras.Variable([1.0, 2.0], name="w")])
     return opt
 
@@ -59,6 +64,7 @@ def _objects(strategy):
     # would configure this process's collectives: tests/test_multiworker.py runs one for real).
     from tensorflow.python.distribute import collective_util, cross_device_ops
     collective = cross_device_ops.CollectiveAllReduce(["/cpu:0", "/cpu:1"], 2, collective_util.Options())
+    pipelines = [tf.data.Dataset.range(4).batch(2).unbatch(), tf.data.Dataset.range(4).ragged_batch(2)]
     return {
         # Its extended is a MirroredExtended: the attribute is set there.
         "tf.distribute MultiWorkerMirroredStrategy's extended": [strategy.extended],
@@ -68,14 +74,31 @@ def _objects(strategy):
         "keras.Model (TensorFlow trainer)": [_model()],
         "keras.layers.Layer": [keras.layers.Dense(1), _model()],
         "keras.optimizers.Optimizer": [_built(keras.optimizers.Adam), _built(keras.optimizers.AdamW)],
+        "keras.optimizers.Optimizer(gradient_accumulation_steps=N)": [
+            _built(keras.optimizers.SGD, gradient_accumulation_steps=2)],
+        "keras.optimizers.Adagrad": [_built(keras.optimizers.Adagrad)],
+        "keras.optimizers.Lion": [_built(keras.optimizers.Lion)],
+        "keras.optimizers.Lamb": [_built(keras.optimizers.Lamb)],
         "keras TFOptimizer": [keras.optimizers.SGD()],
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
         "keras.Variable (TensorFlow backend)": [keras.Variable([1.0, 2.0])],
         "tf.distribute DistributedVariable": [mirrored],
         "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)": [strategy.extended],
         "tf.data.Dataset": [tf.data.Dataset.range(4), tf.data.Dataset.range(4).batch(2).prefetch(1)],
+        # The type names met walking those pipelines, as attributes.
+        "type names in a tf.data pipeline": [types.SimpleNamespace(**{
+            type(node).__name__: type(node) for pipeline in pipelines for node in _pipeline(pipeline)})],
         "tf.__internal__.distribute": [tf.__internal__.distribute],
+        "tf.__internal__.tracking": [tf.__internal__.tracking],
     }
+
+
+def _pipeline(dataset):
+    pending, seen = [dataset], []
+    while pending:
+        seen.append(pending.pop())
+        pending.extend(seen[-1]._inputs())
+    return seen
 
 
 def test_every_attribute_seam_exists_on_a_real_object(two_replicas):
@@ -98,6 +121,153 @@ def test_optional_element_spec_can_be_set_as_prepare_does():
     full = tf.experimental.Optional.from_value(tf.constant([1.0]))
     empty._element_spec = full.element_spec
     assert empty.element_spec == full.element_spec
+
+
+# --- Nothing private outside the tables -------------------------------------
+#
+# kmp's source, read with `ast`: every name with one leading underscore that
+# kmp reads or writes as an attribute (`x._name`, or the string "_name", as
+# getattr and the slot tables take it) and does not define itself must be in
+# the tables above. kmp defines a name with a def or class, at module or
+# class level, or as `self._name = ...` in a method of its own class. What kmp
+# puts on others' objects is named `_kmp...` (kmp.engine.state).
+
+KMP_DIR = Path(__file__).resolve().parent.parent / "kmp"
+_PRIVATE = re.compile(r"_[A-Za-z]\w*")
+# Private names of Python itself, not of Keras or TensorFlow.
+_PYTHON = {"_getframe"}  # sys._getframe: kmp.scaling.optimizer finds the model that holds the optimizer
+_SEAM_MODULES = ("keras.src", "tensorflow.python")
+
+
+class _Names(ast.NodeVisitor):
+    """The private names a kmp module defines, and those it uses, where ("kmp/x.py:12")."""
+
+    def __init__(self, path: str):
+        self.path, self.scopes = path, []
+        self.defined, self.used, self.internal, self.imports = set(), [], [], []
+        self.mentioned = set()  # every attribute and identifier-like string, private or not
+
+    def _where(self, node) -> str:
+        return f"{self.path}:{node.lineno}"
+
+    def _scope(self, node, kind):
+        self.defined.add(node.name)
+        self.scopes.append(kind)
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    def visit_ClassDef(self, node):
+        self._scope(node, "class")
+
+    def visit_FunctionDef(self, node):
+        self._scope(node, "method" if self.scopes[-1:] == ["class"] else "function")
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Name(self, node):
+        if isinstance(node.ctx, ast.Store) and self.scopes[-1:] in ([], ["class"]):
+            self.defined.add(node.id)
+
+    def visit_Attribute(self, node):
+        self.mentioned.add(node.attr)
+        if _PRIVATE.fullmatch(node.attr):
+            own = (isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                   and node.value.id in ("self", "cls") and "method" in self.scopes)
+            if own:
+                self.defined.add(node.attr)
+            else:
+                self.used.append((node.attr, self._where(node)))
+        # tf.__internal__.<module>.<name>
+        if isinstance(node.value, ast.Attribute) and getattr(node.value.value, "attr", None) == "__internal__":
+            self.internal.append((f"tf.__internal__.{node.value.attr}", node.attr, self._where(node)))
+        self.generic_visit(node)
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and node.value.isidentifier():
+            self.mentioned.add(node.value)
+        if isinstance(node.value, str) and _PRIVATE.fullmatch(node.value):
+            self.used.append((node.value, self._where(node)))
+
+    def visit_JoinedStr(self, node):
+        # An f-string's literal pieces ("_scale" in f"{name}_scale") name nothing; its expressions may.
+        for value in node.values:
+            if isinstance(value, ast.FormattedValue):
+                self.visit(value)
+
+    def visit_alias(self, node):
+        self.defined.add(node.asname or node.name.split(".")[0])
+
+    def visit_Import(self, node):
+        self.imports += [(alias.name, self._where(node)) for alias in node.names]
+        self.generic_visit(node)
+
+    def visit_ImportFrom(self, node):
+        self.imports.append((node.module or "", self._where(node)))
+        self.generic_visit(node)
+
+
+@functools.cache
+def _kmp_names() -> _Names:
+    """All of kmp's modules but kmp/seams.py (the tables) in one _Names."""
+    names = _Names("")
+    for path in sorted(KMP_DIR.rglob("*.py")):
+        if path == KMP_DIR / "seams.py":
+            continue
+        names.path = str(path.relative_to(KMP_DIR.parent))
+        names.visit(ast.parse(path.read_text()))
+    return names
+
+
+def _untabled() -> list[str]:
+    """Where kmp uses a private name that is neither its own nor in kmp/seams.py's tables."""
+    names = _kmp_names()
+    tabled = {name for kind in seams.ATTRIBUTE_SEAMS.values() for name in kind}
+    tabled |= {attribute for _, attribute, _ in seams.MODULE_SEAMS.values()}
+    return [f"{where}: {name}" for name, where in names.used
+            if name not in names.defined | tabled | _PYTHON and not name.startswith("_kmp")]
+
+
+def test_the_scan_sees_kmps_private_names():
+    # A scan that found nothing would pass the tests below.
+    names = _kmp_names()
+    used = {name for name, _ in names.used}
+    assert {"_learning_rate", "_iterations", "_momentums", "_maybe_symbolic_build", "_inputs"} <= used
+    assert {"_Adam", "_REPLACEMENTS", "_moment_codes", "_falling_back"} <= names.defined
+    assert "_jit_compile" not in names.defined  # set on the model by a function, not on kmp's own object
+
+
+def test_every_private_name_kmp_uses_is_in_the_tables():
+    untabled = _untabled()
+    assert not untabled, (
+        "kmp uses private Keras/TensorFlow names that kmp/seams.py does not list: " + "; ".join(untabled)
+        + ". Add each to kmp/seams.py ATTRIBUTE_SEAMS, under the kind of object that has it (and an object "
+        "of that kind to _objects in tests/test_keras_seams.py), so an upgrade that moves it fails here.")
+
+
+def test_an_untabled_name_is_found(monkeypatch):
+    kind = "tf.distribute MirroredStrategy's extended (MultiWorkerMirrored's too)"
+    monkeypatch.setitem(seams.ATTRIBUTE_SEAMS, kind,
+                        tuple(n for n in seams.ATTRIBUTE_SEAMS[kind] if n != "_use_merge_call"))
+    found = _untabled()
+    assert len(found) == 1 and re.fullmatch(r"kmp/distribute/communication\.py:\d+: _use_merge_call", found[0])
+
+
+def test_every_attribute_seam_is_still_used():
+    # A table that kept names kmp no longer uses would be checked for nothing.
+    unused = {name for kind in seams.ATTRIBUTE_SEAMS.values() for name in kind} - _kmp_names().mentioned
+    assert not unused, f"{sorted(unused)}: kmp no longer uses them; remove them from kmp/seams.py ATTRIBUTE_SEAMS"
+
+
+def test_tf_internal_names_kmp_uses_are_in_the_tables():
+    untabled = [f"{where}: {kind}.{name}" for kind, name, where in _kmp_names().internal
+                if name not in seams.ATTRIBUTE_SEAMS.get(kind, ())]
+    assert _kmp_names().internal and not untabled, (
+        f"{untabled}: add each to kmp/seams.py ATTRIBUTE_SEAMS under its tf.__internal__ module")
+
+
+def test_only_kmp_seams_imports_private_modules():
+    found = [f"{where}: {module}" for module, where in _kmp_names().imports if module.startswith(_SEAM_MODULES)]
+    assert not found, f"{found}: import private modules through kmp/seams.py MODULE_SEAMS and seams.get(name)"
 
 
 # --- How kmp uses them ------------------------------------------------------
@@ -170,7 +340,6 @@ def test_public_routes_kmp_takes_are_the_same_objects():
         assert isinstance(scope.state_mapping, dict) and callable(scope.get_current_value)
     assert keras.utils.unpack_x_y_sample_weight is data_adapter_utils.unpack_x_y_sample_weight
     assert callable(tf.__internal__.distribute.interim.maybe_merge_call)
-    assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
 
 
 def test_trainer_internals_the_replica_step_and_prepare_use():

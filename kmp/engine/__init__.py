@@ -10,6 +10,7 @@
     replica_step.py    the per-replica XLA train step prepare() installs
     overflow_layer.py  find_overflow: which layer's forward output overflowed
     prepare.py         prepare(model): fit() under strategies (kmp.prepare)
+    state.py           the one object kmp keeps on a model: prepare's settings, the caches above
 
 May import kmp.scaling, kmp.distribute, kmp.memory.estimate, kmp.config and
 the leaves; never kmp.callbacks or kmp.cli. Private: users reach it through

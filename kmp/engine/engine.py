@@ -71,6 +71,7 @@ import tensorflow as tf
 
 from kmp import seams
 from kmp.engine import replica_step
+from kmp.engine import state as kmp_state
 from kmp.engine import buffers as flat
 from kmp.scaling import overflow
 
@@ -168,7 +169,7 @@ class Engine:
         # The layer diagnosis traced after an overflowing step (the whole step
         # in XLA) runs the model on its Keras variables; outside XLA it runs
         # eagerly and copies them itself (kmp.engine.overflow_layer).
-        traced_diagnosis = getattr(model, "_kmp_find_overflow_layer", True) and overflow.in_xla()
+        traced_diagnosis = kmp_state.setting(model, "find_overflow_layer") and overflow.in_xla()
         before = tf.convert_to_tensor(model.optimizer.skipped_steps.value) if traced_diagnosis else None
         model.optimizer.apply_flat(grad, buffers)
         if traced_diagnosis:
@@ -188,7 +189,7 @@ class Engine:
         """Whether the forward/backward is compiled: unless prepare(jit_compile=False), a layer does not
         support XLA, or XLA failed on the model (kmp.engine.prepare). The update (kmp.engine.buffers) always is."""
         model = self.model
-        return (getattr(model, "_kmp_jit_compile", "auto") is not False and bool(seams.get("model_supports_jit")(model))
+        return (kmp_state.setting(model, "jit_compile") is not False and bool(seams.get("model_supports_jit")(model))
                 and replica_step.XLA not in replica_step.path_of(model)["dropped"])
 
     def _forward_backward(self, weights, other_values, scale, weighted, x, y, sample_weight):
@@ -281,9 +282,10 @@ def written(model_or_callback, *_, **__) -> None:
 
 def install(model: keras.Model) -> None:
     """Wraps the model's observing and writing methods on this instance (idempotent)."""
-    if model.__dict__.get("_kmp_engine_methods"):
+    prepared = kmp_state.ensure(model)
+    if prepared.engine_methods:
         return
-    model.__dict__["_kmp_engine_methods"] = True
+    prepared.engine_methods = True
     for name in _READERS + _WRITERS + ("fit", "train_on_batch"):
         stock = getattr(type(model), name, None)
         if stock is None:
@@ -299,7 +301,8 @@ def install(model: keras.Model) -> None:
 
 
 def engine_of(model: keras.Model) -> Engine | None:
-    return model.__dict__.get("_kmp_engine")
+    prepared = kmp_state.of(model)
+    return None if prepared is None else prepared.engine
 
 
 def _engine_behind(model_or_callback) -> Engine | None:

@@ -53,6 +53,7 @@ import tensorflow as tf
 
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import engine
+from kmp.engine import state as kmp_state
 from kmp.scaling import overflow
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,8 @@ class State:
 
 
 def state_of(model: keras.Model) -> State | None:
-    return model.__dict__.get("_kmp_overflow_layer")
+    prepared = kmp_state.of(model)
+    return None if prepared is None else prepared.overflow_layer
 
 
 def can_diagnose(model: keras.Model) -> bool:
@@ -246,8 +248,8 @@ def diagnosing_step(model: keras.Model, step_function):
     """`step_function`, followed by the diagnosis on the steps that overflowed (module docstring)."""
     state = state_of(model)
     if state is None:
-        # A plain object in the model's __dict__: not tracked, saved or checkpointed.
-        state = model.__dict__["_kmp_overflow_layer"] = State(model)
+        # Kept in kmp's one object on the model (kmp.engine.state): not tracked, saved or checkpointed.
+        state = kmp_state.ensure(model).overflow_layer = State(model)
     optimizer = model.optimizer
 
     @functools.wraps(step_function)

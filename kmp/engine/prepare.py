@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from kmp import seams, values
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, overflow_layer, replica_step, wall_clock
+from kmp.engine import engine, overflow_layer, replica_step, state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
@@ -132,14 +132,12 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
         problems.append(Problem("wall_clock_breakdown", '"auto", True, False or the steps between lines (>= 1)',
                                 wall_clock_breakdown))
     check(problems, "kmp.distribute.prepare arguments")
+    kept = state.ensure(model)  # model.__dict__["_kmp"]: all kmp keeps on the model
     settings = (jit_compile, find_overflow_layer, flat_buffers, wall_clock_breakdown)
-    if getattr(model, "_kmp_settings", settings) != settings:
+    if kept.prepared and kept.settings != settings:
         model.train_function = None  # built with the old settings: rebuild at the next fit()
-    model._kmp_jit_compile = jit_compile
-    model._kmp_find_overflow_layer = find_overflow_layer
-    model._kmp_flat_buffers = flat_buffers
-    model._kmp_wall_clock_breakdown = wall_clock_breakdown
-    model._kmp_settings = settings
+    kept.jit_compile, kept.find_overflow_layer, kept.flat_buffers, kept.wall_clock_breakdown = settings
+    kept.prepared = True
     _with_kmp_loss_scaling(model)
     if flat_buffers:
         engine.install(model)
@@ -213,7 +211,7 @@ def _make_function_prepared(self, step_function):
 
 
 def _build_function(self, step_function):
-    setting = getattr(self, "_kmp_jit_compile", "auto")
+    setting = state.setting(self, "jit_compile")
     dropped = replica_step.path_of(self)["dropped"]
     if XLA in dropped:
         setting = False
@@ -240,7 +238,7 @@ def _build_function(self, step_function):
         replica_step.forget(self)
         step_function = buffers.train_step
     # A custom train_step may not call the model on x as Keras's does: left as it is.
-    if (stock_train_step and getattr(self, "_kmp_find_overflow_layer", True) and FINDER not in dropped
+    if (stock_train_step and state.setting(self, "find_overflow_layer") and FINDER not in dropped
             and overflow_layer.can_diagnose(self)):
         step_function = overflow_layer.diagnosing_step(self, step_function)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
@@ -270,7 +268,7 @@ def _build_function(self, step_function):
         replica_xla = getattr(step_function, "func", None) is replica_step.train_step or (
             buffers is not None and buffers.xla)
         xla_part = "whole-step XLA" if whole_step_xla else "XLA per replica" if replica_xla else "no XLA"
-        finder = FINDER not in dropped and getattr(self, "_kmp_find_overflow_layer", True) and \
+        finder = FINDER not in dropped and state.setting(self, "find_overflow_layer") and \
             overflow_layer.can_diagnose(self)
         replica_step.path_of(self)["taken"] = ", ".join(
             ["flat buffers" if buffers is not None else "per-variable update", xla_part]
@@ -343,9 +341,9 @@ def _took(model, path) -> bool:
     if path == FLAT:
         return engine.engine_of(model) is not None and flat_reason(model) is None
     if path == FINDER:
-        return getattr(model, "_kmp_find_overflow_layer", True) and overflow_layer.can_diagnose(model)
-    return getattr(model, "_kmp_jit_compile", "auto") is not False and (
-        replica_step.wants_replica_xla(model, getattr(model, "_kmp_jit_compile", "auto"))
+        return state.setting(model, "find_overflow_layer") and overflow_layer.can_diagnose(model)
+    return state.setting(model, "jit_compile") is not False and (
+        replica_step.wants_replica_xla(model, state.setting(model, "jit_compile"))
         or engine.engine_of(model) is not None or bool(model.jit_compile))
 
 
@@ -374,7 +372,7 @@ def _layer_in(error) -> str | None:
 
 
 def _breakdown_setting(model):
-    setting = getattr(model, "_kmp_wall_clock_breakdown", "auto")
+    setting = state.setting(model, "wall_clock_breakdown")
     if setting == "auto":
         return getattr(model.optimizer, "kmp_wall_clock_breakdown", False)
     return setting
@@ -415,7 +413,7 @@ def flat_reason(model) -> str | None:
     Also read by kmp.memory.allocation (what `kmp memory` counts). A model's own
     train_step keeps the per-variable path too (_make_function_prepared).
     """
-    setting = getattr(model, "_kmp_flat_buffers", False)
+    setting = state.setting(model, "flat_buffers")
     if not setting:
         return "flat_buffers=False"
     if model.run_eagerly:
@@ -433,7 +431,7 @@ def flat_reason(model) -> str | None:
 
 def _engine_for(model):
     """The model's flat-buffer engine for this train function, or None (then why is noted once)."""
-    if not getattr(model, "_kmp_flat_buffers", False):
+    if not state.setting(model, "flat_buffers"):
         return _no_engine(model, "flat_buffers=False")  # (says nothing: not asked for)
     reason = flat_reason(model)
     if reason is not None:
@@ -447,19 +445,19 @@ def _engine_for(model):
     if current is None or current.buffers.key != key:
         if current is not None:
             current.release()  # the old buffers' last values, into the variables the new ones start from
-        model.__dict__["_kmp_engine"] = engine.Engine(model)
+        current = state.ensure(model).engine = engine.Engine(model)
     else:
         current.buffers.place_slots(on_host=True)  # back from a per-variable fit (_no_engine)
-    return model.__dict__["_kmp_engine"]
+    return current
 
 
 def _no_engine(model, reason: str | None) -> None:
     """None, after saying once per model and reason why the flat buffers are off (if they were asked for)."""
     if engine.engine_of(model) is not None:
         engine.engine_of(model).release()  # the per-variable update needs Keras's slots on every replica
-    setting = getattr(model, "_kmp_flat_buffers", False)
-    if setting and reason is not None and reason not in model.__dict__.setdefault("_kmp_flat_noted", set()):
-        model.__dict__["_kmp_flat_noted"].add(reason)
+    setting = state.setting(model, "flat_buffers")
+    if setting and reason is not None and reason not in state.ensure(model).flat_noted:
+        state.ensure(model).flat_noted.add(reason)
         log = logger.warning if setting is True else logger.info
         log("kmp: flat buffers off for %s, per-variable updates instead: %s.", model.name, reason)
     return None

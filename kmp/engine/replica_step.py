@@ -36,7 +36,7 @@ import tensorflow as tf
 from kmp import seams
 from kmp.distribute.communication import all_reduce_sum
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import wall_clock
+from kmp.engine import state, wall_clock
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ FLAT, FINDER, XLA = "flat buffers", "overflow-layer finder", "XLA"
 
 def path_of(model) -> dict:
     """The path the model's train function took: "taken" (a description) and "dropped" ({path: why})."""
-    return model.__dict__.setdefault("_kmp_path", {"taken": None, "dropped": {}})
+    return state.ensure(model).path
 
 
 def describe_path(model) -> str:
@@ -145,8 +145,8 @@ def _mean_per_row(model) -> bool:
         reason = f"its losses reduce by {sorted(reductions)}"
     if reason is None:
         return True
-    if not model.__dict__.get("_kmp_rows_noted"):
-        model.__dict__["_kmp_rows_noted"] = True
+    if not state.ensure(model).rows_noted:
+        state.ensure(model).rows_noted = True
         logger.warning("kmp: %s: uneven shares of a global batch across replicas (the last batch of an epoch) are "
                        "weighted per replica, as Keras does, not per row: %s, not a mean per row known to kmp.",
                        model.name, reason)
@@ -155,12 +155,13 @@ def _mean_per_row(model) -> bool:
 
 def forget(model: keras.Model) -> None:
     """Drops the model's per-replica XLA functions; the next trace makes new ones."""
-    model.__dict__.pop("_kmp_replica_steps", None)
+    if state.of(model) is not None:
+        state.of(model).replica_steps = {}
 
 
 def _compiled(model):
     """The XLA forward/backward function of this model on this replica (one per replica)."""
-    cache = model.__dict__.setdefault("_kmp_replica_steps", {})
+    cache = state.ensure(model).replica_steps
     key = replica_key()
     if key not in cache:
         cache[key] = tf.function(
