@@ -207,6 +207,11 @@ def uncut_on_two_replicas(two_replicas):
     return whole.get_weights(), int(whole.optimizer.iterations.numpy())
 
 
+# The tests that share the module's cut models run on one xdist worker, so each model is trained once.
+SHARES_THE_CUTS = pytest.mark.xdist_group("accumulate_cuts")
+
+
+@SHARES_THE_CUTS
 @pytest.mark.parametrize("save", ["weights", "keras"])
 def test_resume_mid_window_under_mirrored_is_exact(two_replicas, two_replica_cut, uncut_on_two_replicas, tmp_path,
                                                    save):
@@ -292,6 +297,7 @@ def test_load_weights_into_a_fresh_model_restores_the_optimizer_and_trains_on_al
     assert int(loaded.optimizer.iterations.numpy()) == int(saved.optimizer.iterations.numpy()) == 1  # one skipped
 
 
+@SHARES_THE_CUTS
 @pytest.mark.parametrize("method", ["weights", "checkpoint"])
 def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replica_cut, tmp_path, method):
     first, second = _replica_sums(two_replica_cut)
@@ -310,6 +316,7 @@ def one_device_cut():
     return cut
 
 
+@SHARES_THE_CUTS
 @pytest.mark.parametrize("method", ["weights", "checkpoint"])
 def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replicas, one_device_cut, tmp_path, method):
     cut = one_device_cut
@@ -321,6 +328,7 @@ def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replic
     np.testing.assert_array_equal(_replica_sums(two), [total, np.zeros_like(total)])
 
 
+@SHARES_THE_CUTS
 def test_checkpoint_restored_before_the_optimizer_is_built_gives_each_replica_its_sums(two_replicas, two_replica_cut,
                                                                                       tmp_path):
     """A deferred restore: the variables are restored as build() creates them,

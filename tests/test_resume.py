@@ -27,6 +27,8 @@ X = RNG.normal(size=(BATCH * STEPS, 6)).astype("float32")
 Y = (X @ np.linspace(-1, 1, 6).astype("float32"))[:, None]
 X[2 * BATCH:3 * BATCH] = np.inf  # step 2 overflows
 STATE = ("dynamic_scale", "hysteresis_left", "good_steps", "skipped_steps", "iterations")
+# One xdist worker runs them all, so the module-scoped runs are trained once in the suite too.
+pytestmark = pytest.mark.xdist_group("resume")
 
 
 def _model(strategy, accumulation):

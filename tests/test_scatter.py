@@ -134,6 +134,11 @@ def sharded_model(two_replicas):
     return model
 
 
+# Its tests run on one xdist worker, so it is trained once.
+SHARES_THE_MODEL = pytest.mark.xdist_group("scatter_sharded_model")
+
+
+@SHARES_THE_MODEL
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_each_shards_flags_combine_to_the_whole_gradients(sharded_model, jit_compile):
     buffers = engine.engine_of(sharded_model).buffers
@@ -156,6 +161,7 @@ def test_each_shards_flags_combine_to_the_whole_gradients(sharded_model, jit_com
         assert int((~expected).sum()) == len(bad)
 
 
+@SHARES_THE_MODEL
 def test_an_inf_in_the_second_shard_alone_skips_the_step_on_every_replica_and_names_its_variable(two_replicas,
                                                                                               sharded_model):
     """Only replica 1 checks the shard that holds the inf; replica 0 takes the same decision from the
