@@ -33,9 +33,11 @@ def _train(strategy, policy, make_inner, batch, steps, epochs=2, **kwargs):
     return model, opt
 
 
-@pytest.mark.parametrize("distributed", [False, True])
-@pytest.mark.parametrize("policy, atol", [("float32", 1e-6), ("mixed_float16", 2e-3)])
-@pytest.mark.parametrize("inner", ["sgd", "adam"])
+# Pairwise: each placement meets each precision and each inner optimizer, and each precision each optimizer.
+@pytest.mark.parametrize("distributed, policy, atol, inner", [
+    (False, "float32", 1e-6, "sgd"), (False, "mixed_float16", 2e-3, "adam"),
+    (True, "float32", 1e-6, "adam"), (True, "mixed_float16", 2e-3, "sgd"),
+])
 def test_micro_batches_equal_one_big_batch(two_replicas, distributed, policy, atol, inner):
     strategy = two_replicas if distributed else tf.distribute.get_strategy()
     make = lambda: keras.optimizers.get({"class_name": inner, "config": {"learning_rate": 0.05}})
@@ -185,16 +187,38 @@ def _accumulating_model(strategy):
     return model
 
 
-@pytest.mark.parametrize("save", ["weights", "keras"])
-def test_resume_mid_window_under_mirrored_is_exact(two_replicas, tmp_path, save):
-    """Issue 10 #2: each replica's partial sums come back to that replica (Keras saves replica 0's)."""
-    first, rest = (X[:16], Y[:16]), (X[16:48], Y[16:48])  # 2 micro-batches of 8: the window is open
-    whole = _accumulating_model(two_replicas)
-    whole.fit(*first, batch_size=8, shuffle=False, verbose=0)
-    whole.fit(*rest, batch_size=8, shuffle=False, verbose=0)
+@pytest.fixture(scope="module")
+def two_replica_cut(two_replicas):
+    """An accumulating model on two replicas cut after 2 micro-batches of 8: its window is open.
 
+    Saving does not change it, so the tests that save and restore it share it; none may train or change it.
+    """
     cut = _accumulating_model(two_replicas)
-    cut.fit(*first, batch_size=8, shuffle=False, verbose=0)
+    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    return cut
+
+
+@pytest.fixture(scope="module")
+def uncut_on_two_replicas(two_replicas):
+    """The run the cut one resumes to: the same 2 micro-batches, then 4 more in a second fit()."""
+    whole = _accumulating_model(two_replicas)
+    whole.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    whole.fit(X[16:48], Y[16:48], batch_size=8, shuffle=False, verbose=0)
+    return whole.get_weights(), int(whole.optimizer.iterations.numpy())
+
+
+# The tests that share the module's cut models run on one xdist worker, so each model is trained once.
+SHARES_THE_CUTS = pytest.mark.xdist_group("accumulate_cuts")
+
+
+@SHARES_THE_CUTS
+@pytest.mark.parametrize("save", ["weights", "keras"])
+def test_resume_mid_window_under_mirrored_is_exact(two_replicas, two_replica_cut, uncut_on_two_replicas, tmp_path,
+                                                   save):
+    """Issue 10 #2: each replica's partial sums come back to that replica (Keras saves replica 0's)."""
+    rest = X[16:48], Y[16:48]
+    whole_weights, whole_iterations = uncut_on_two_replicas
+    cut = two_replica_cut
     sums = cut.optimizer.accumulation.sums[0].value.values
     assert int(cut.optimizer.accumulation.micro_steps.numpy()) == 2
     assert not np.array_equal(sums[0].numpy(), sums[1].numpy())  # the replicas saw different halves
@@ -211,9 +235,9 @@ def test_resume_mid_window_under_mirrored_is_exact(two_replicas, tmp_path, save)
     for ours, theirs in zip(resumed.optimizer.accumulation.sums[0].value.values, sums):
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
     resumed.fit(*rest, batch_size=8, shuffle=False, verbose=0)
-    for a, b in zip(whole.get_weights(), resumed.get_weights()):
+    for a, b in zip(whole_weights, resumed.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 2
+    assert int(resumed.optimizer.iterations.numpy()) == whole_iterations == 2
 
 
 def _save(model, method, path):
@@ -273,22 +297,29 @@ def test_load_weights_into_a_fresh_model_restores_the_optimizer_and_trains_on_al
     assert int(loaded.optimizer.iterations.numpy()) == int(saved.optimizer.iterations.numpy()) == 1  # one skipped
 
 
+@SHARES_THE_CUTS
 @pytest.mark.parametrize("method", ["weights", "checkpoint"])
-def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replicas, tmp_path, method):
-    cut = _accumulating_model(two_replicas)
-    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
-    first, second = _replica_sums(cut)
-    _save(cut, method, tmp_path)
+def test_per_replica_sums_saved_on_two_replicas_load_on_one_as_their_total(two_replica_cut, tmp_path, method):
+    first, second = _replica_sums(two_replica_cut)
+    _save(two_replica_cut, method, tmp_path)
     one = _accumulating_model(tf.distribute.get_strategy())
     _load(one, tf.distribute.get_strategy(), method, tmp_path)
     assert int(one.optimizer.accumulation.micro_steps.numpy()) == 2
     np.testing.assert_array_equal(_replica_sums(one), [first + second])  # float32, summed as saved
 
 
-@pytest.mark.parametrize("method", ["weights", "checkpoint"])
-def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replicas, tmp_path, method):
+@pytest.fixture(scope="module")
+def one_device_cut():
+    """The same cut on one device, shared the same way."""
     cut = _accumulating_model(tf.distribute.get_strategy())
     cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    return cut
+
+
+@SHARES_THE_CUTS
+@pytest.mark.parametrize("method", ["weights", "checkpoint"])
+def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replicas, one_device_cut, tmp_path, method):
+    cut = one_device_cut
     (total,) = _replica_sums(cut)
     assert np.abs(total).max() > 0
     _save(cut, method, tmp_path)
@@ -297,11 +328,12 @@ def test_sums_saved_on_one_device_load_on_two_replicas_into_the_first(two_replic
     np.testing.assert_array_equal(_replica_sums(two), [total, np.zeros_like(total)])
 
 
-def test_checkpoint_restored_before_the_optimizer_is_built_gives_each_replica_its_sums(two_replicas, tmp_path):
+@SHARES_THE_CUTS
+def test_checkpoint_restored_before_the_optimizer_is_built_gives_each_replica_its_sums(two_replicas, two_replica_cut,
+                                                                                      tmp_path):
     """A deferred restore: the variables are restored as build() creates them,
     the per-replica rows when build() tracks them, last."""
-    cut = _accumulating_model(two_replicas)
-    cut.fit(X[:16], Y[:16], batch_size=8, shuffle=False, verbose=0)
+    cut = two_replica_cut
     prefix = tf.train.Checkpoint(model=cut, optimizer=cut.optimizer).save(str(tmp_path / "ckpt"))
     resumed = _accumulating_model(two_replicas)
     assert not resumed.optimizer.built

@@ -110,12 +110,13 @@ def test_a_float16_overflow_in_communication_skips_the_step(two_replicas):
 
     @tf.function
     def step(g):
-        two_replicas.run(lambda: opt.apply([tf.constant(g)], [weight]))
+        two_replicas.run(lambda: opt.apply([g], [weight]))
 
-    step([40000.0, 1.0])  # each replica: 40000 (scaled); the sum 80000 > 65504
+    # Tensors, not Python lists: both steps run one trace (a list's values would each trace anew).
+    step(tf.constant([40000.0, 1.0]))  # each replica: 40000 (scaled); the sum 80000 > 65504
     assert int(opt.skipped_steps.numpy()) == 1 and float(opt.dynamic_scale.numpy()) == 2.0**9
     np.testing.assert_array_equal(weight.numpy(), [1.0, 1.0])
-    step([2.0**10, 2.0**10])  # unscaled: 1 per replica, summed to 2 -> the weight moves by 0.2
+    step(tf.constant([2.0**10, 2.0**10]))  # unscaled: 1 per replica, summed to 2 -> the weight moves by 0.2
     for value in two_replicas.experimental_local_results(weight.value):
         np.testing.assert_allclose(value.numpy(), [0.6, 0.6], rtol=1e-6)
 

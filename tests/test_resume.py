@@ -7,6 +7,11 @@ loss-scale state must equal the uninterrupted run's exactly: on one device
 and under MirroredStrategy, with and without an accumulation window left open
 at the cut, through `.keras`, `.weights.h5` (what Keras's BackupAndRestore and
 ModelCheckpoint write) and `tf.train.Checkpoint`.
+
+The cases are pairwise, not the full product: each format meets each
+placement and each accumulation setting once, and each placement meets each
+accumulation setting. The uninterrupted and the cut runs depend only on
+placement and accumulation, so each is trained once per module.
 """
 
 import keras
@@ -22,6 +27,8 @@ X = RNG.normal(size=(BATCH * STEPS, 6)).astype("float32")
 Y = (X @ np.linspace(-1, 1, 6).astype("float32"))[:, None]
 X[2 * BATCH:3 * BATCH] = np.inf  # step 2 overflows
 STATE = ("dynamic_scale", "hysteresis_left", "good_steps", "skipped_steps", "iterations")
+# One xdist worker runs them all, so the module-scoped runs are trained once in the suite too.
+pytestmark = pytest.mark.xdist_group("resume")
 
 
 def _model(strategy, accumulation):
@@ -70,20 +77,39 @@ def _save_and_restore(method, model, strategy, accumulation, tmp_path):
     return fresh
 
 
-@pytest.mark.parametrize("method", ["keras", "weights", "checkpoint"])
-@pytest.mark.parametrize("accumulation", [None, 3])
-@pytest.mark.parametrize("distributed", [False, True])
-def test_resumed_run_is_bit_identical(two_replicas, tmp_path, method, accumulation, distributed):
-    strategy = two_replicas if distributed else tf.distribute.get_strategy()
-    whole = _model(strategy, accumulation)
-    _fit(whole, 0, STEPS)
+@pytest.fixture(scope="module")
+def runs(two_replicas):
+    """(distributed, accumulation) -> (the uninterrupted run's state, the run cut after step CUT).
 
-    cut = _model(strategy, accumulation)
-    _fit(cut, 0, CUT)
+    Saving does not change the cut model, so the cases that restore it in other formats share it.
+    """
+    cache = {}
+
+    def get(distributed, accumulation):
+        if (distributed, accumulation) not in cache:
+            strategy = two_replicas if distributed else tf.distribute.get_strategy()
+            whole = _model(strategy, accumulation)
+            _fit(whole, 0, STEPS)
+            cut = _model(strategy, accumulation)
+            _fit(cut, 0, CUT)
+            cache[distributed, accumulation] = _state(whole), cut
+        return cache[distributed, accumulation]
+
+    return get
+
+
+@pytest.mark.parametrize("method, accumulation, distributed", [
+    ("keras", None, False), ("keras", 3, True),
+    ("weights", None, True), ("weights", 3, False),
+    ("checkpoint", None, False), ("checkpoint", 3, True),
+])
+def test_resumed_run_is_bit_identical(two_replicas, runs, tmp_path, method, accumulation, distributed):
+    strategy = two_replicas if distributed else tf.distribute.get_strategy()
+    whole, cut = runs(distributed, accumulation)
     assert int(cut.optimizer.skipped_steps.numpy()) == 1  # the overflow is inside the saved span
     if accumulation:
         assert int(cut.optimizer.accumulation.micro_steps.numpy()) == CUT % accumulation  # a window is open
     resumed = _save_and_restore(method, cut, strategy, accumulation, tmp_path)
     _fit(resumed, CUT, STEPS)
-    _assert_same(_state(resumed), _state(whole))
+    _assert_same(_state(resumed), whole)
     assert all(np.isfinite(w).all() for w in resumed.get_weights())

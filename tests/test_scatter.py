@@ -122,33 +122,51 @@ def test_a_shard_holding_inf_or_nan_makes_the_norm_not_finite(bad):
     assert not np.isfinite(norm_of_parts(tf.stack([p[0] for p in parts]), tf.stack([p[1] for p in parts])).numpy())
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_each_shards_flags_combine_to_the_whole_gradients(two_replicas, jit_compile):
+@pytest.fixture(scope="module")
+def sharded_model(two_replicas):
+    """A prepared model on two replicas, its flat buffers in two shards, after two steps of fit().
+
+    Shared: the flag tests read only the buffers' layout; the step test takes its counts and weights
+    before its own steps and checks what those steps changed.
+    """
     model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=True)
-    model.fit(*_data_of(8), batch_size=8, epochs=1, verbose=0)
-    buffers = engine.engine_of(model).buffers
+    model.fit(*_data_of(16), batch_size=8, epochs=1, verbose=0)
+    return model
+
+
+# Its tests run on one xdist worker, so it is trained once.
+SHARES_THE_MODEL = pytest.mark.xdist_group("scatter_sharded_model")
+
+
+@SHARES_THE_MODEL
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_each_shards_flags_combine_to_the_whole_gradients(sharded_model, jit_compile):
+    buffers = engine.engine_of(sharded_model).buffers
     assert buffers.sharded and buffers.length == 2 * buffers.shard
     ends = np.cumsum(buffers.spans)
     # The last variable (buffer order) starts in the second shard, the first in the first.
     last = int(ends[-2])
     assert 0 < buffers.shard <= last
+    # Made once: the gradients below have the same shapes, so each function traces (and compiles) once.
+    flags = tf.function(buffers.segment_finite, jit_compile=jit_compile)
+    shard_flags = [tf.function(lambda s, o=o: buffers.segment_finite(s, o), jit_compile=jit_compile)
+                   for o in (0, buffers.shard)]
     for bad in ({last: np.inf}, {0: np.nan}, {0: np.nan, last: -np.inf}, {}):
         whole = np.ones(buffers.length, "float32")
         whole[list(bad)] = list(bad.values())
-        flags = tf.function(buffers.segment_finite, jit_compile=jit_compile)
         expected = flags(tf.constant(whole)).numpy()
-        shards = [tf.function(lambda s, o=o: buffers.segment_finite(s, o), jit_compile=jit_compile)(
-            tf.constant(whole[o:o + buffers.shard])).numpy() for o in (0, buffers.shard)]
+        shards = [f(tf.constant(whole[o:o + buffers.shard])).numpy()
+                  for f, o in zip(shard_flags, (0, buffers.shard), strict=True)]
         np.testing.assert_array_equal(shards[0] & shards[1], expected)
         assert int((~expected).sum()) == len(bad)
 
 
-def test_an_inf_in_the_second_shard_alone_skips_the_step_on_every_replica_and_names_its_variable(two_replicas):
+@SHARES_THE_MODEL
+def test_an_inf_in_the_second_shard_alone_skips_the_step_on_every_replica_and_names_its_variable(two_replicas,
+                                                                                              sharded_model):
     """Only replica 1 checks the shard that holds the inf; replica 0 takes the same decision from the
     gathered rows, and the overflow names the variable (kmp.scaling.optimizer's _shard_check)."""
-    model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=True)
-    model.fit(*_data_of(16), batch_size=8, epochs=1, verbose=0)
-    buffers, optimizer = engine.engine_of(model).buffers, model.optimizer
+    buffers, optimizer = engine.engine_of(sharded_model).buffers, sharded_model.optimizer
     last = int(np.cumsum(buffers.spans)[-2])  # the first element of the last variable in the buffer
     assert last >= buffers.shard
     whole = np.full(buffers.length, 1e-3, "float32")
