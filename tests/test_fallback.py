@@ -81,12 +81,28 @@ def _train(policy, strategy=None, flat_buffers="auto", stock=False, no_xla=False
     return model, history.history["loss"]
 
 
-@pytest.mark.parametrize("policy, replicas", [("mixed_float16", 1), ("mixed_bfloat16", 2), ("mixed_float16", 2)])
-def test_layers_of_real_models_train_on_both_paths_alike(policy, replicas, two_replicas):
+@pytest.fixture(scope="module")
+def trained():
+    """_train, each distinct run once in this module: the tests that share a run only read it."""
+    runs = {}
+
+    def train(policy, strategy=None, **kwargs):
+        key = (policy, strategy, *sorted(kwargs.items()))
+        if key not in runs:
+            runs[key] = _train(policy, strategy, **kwargs)
+        return runs[key]
+    return train
+
+
+# Float16 (loss scaled) on one device, bfloat16 on two replicas: what these layers exercise (the tied
+# table's IndexedSlices, BatchNormalization's writes, Dropout's seeds) does not depend on the precision;
+# float16 on replicas is test_engine's (test_the_buffers_train_as_the_per_variable_path).
+@pytest.mark.parametrize("policy, replicas", [("mixed_float16", 1), ("mixed_bfloat16", 2)])
+def test_layers_of_real_models_train_on_both_paths_alike(policy, replicas, two_replicas, trained):
     strategy = two_replicas if replicas == 2 else None
-    flat, flat_losses = _train(policy, strategy, flat_buffers=True)
+    flat, flat_losses = trained(policy, strategy, flat_buffers=True)
     assert kmp.engine.engine.engine_of(flat) is not None, "the flat buffers took the model"
-    per_variable, losses = _train(policy, strategy, flat_buffers=False)
+    per_variable, losses = trained(policy, strategy, flat_buffers=False)
     assert np.all(np.isfinite(flat_losses)) and flat_losses[-1] < flat_losses[0]
     np.testing.assert_allclose(flat_losses, losses, rtol=2e-3)
     table = flat.layers[1].table.numpy()
@@ -95,10 +111,10 @@ def test_layers_of_real_models_train_on_both_paths_alike(policy, replicas, two_r
     np.testing.assert_array_equal(flat.layers[1].unused.numpy(), np.ones(3))
 
 
-def test_the_buffers_take_a_gradient_of_no_static_shape():
+def test_the_buffers_take_a_gradient_of_no_static_shape(trained):
     """The tied table's gradient: IndexedSlices (the lookup) plus a dense one (the un-embedding)."""
     keras.config.set_dtype_policy("mixed_float16")
-    model, _ = _train("mixed_float16", flat_buffers=True, epochs=1)
+    model, _ = trained("mixed_float16", flat_buffers=True)
     buffers = kmp.engine.engine.engine_of(model).buffers
     grads = [tf.IndexedSlices(tf.ones([2, WIDTH]), tf.constant([0, 3]), tf.constant([VOCAB, WIDTH]))
              if v.path.endswith("table") else (None if v.path.endswith("unused") else tf.zeros(v.shape))
@@ -115,8 +131,8 @@ def test_the_buffers_take_a_gradient_of_no_static_shape():
     assert flat.sum() == 2 * WIDTH
 
 
-def test_bfloat16_on_two_replicas_is_close_to_float32_stock(two_replicas):
-    _, losses = _train("mixed_bfloat16", two_replicas)
+def test_bfloat16_on_two_replicas_is_close_to_float32_stock(two_replicas, trained):
+    _, losses = trained("mixed_bfloat16", two_replicas, flat_buffers=True)
     _, stock = _train("float32", stock=True)
     np.testing.assert_allclose(losses, stock, rtol=2e-2)
 
@@ -136,14 +152,14 @@ def test_a_layer_xla_cannot_compile_falls_back_without_xla(two_replicas, caplog)
     np.testing.assert_allclose(losses[-1], stock[-1], rtol=0.05)
 
 
-def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeypatch, caplog):
+def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeypatch, caplog, trained):
     def failing(*_, **__):
         raise TypeError("a gradient the buffers cannot hold")
 
     monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "join", failing)
     with caplog.at_level(logging.WARNING, logger="kmp"):
         model, losses = _train("mixed_float16", flat_buffers=True)
-    _, per_variable = _train("mixed_float16", flat_buffers=False)
+    _, per_variable = trained("mixed_float16", flat_buffers=False)
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(lines) == 1 and "flat buffers off" in lines[0] and "cannot hold" in lines[0], lines
     assert kmp.engine.engine.engine_of(model) is None or replica_step.FLAT in replica_step.path_of(model)["dropped"]

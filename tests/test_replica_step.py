@@ -3,6 +3,8 @@
 The per-variable path (flat_buffers=False): tests/test_engine.py covers the flat buffers.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -54,9 +56,19 @@ def _replicas_identical(strategy, variables):
         np.testing.assert_array_equal(first.numpy(), second.numpy(), err_msg=variable.path)
 
 
-def test_xla_per_replica_trains_like_keras_without_xla(two_replicas):
+@pytest.fixture(scope="module")
+def prepared(two_replicas):
+    """(model, history): prepared with jit_compile=True, 2 epochs in mixed_float16 on two replicas. Read only."""
+    policy = keras.config.dtype_policy()
+    try:
+        return _fit(two_replicas, prepare=True)
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def test_xla_per_replica_trains_like_keras_without_xla(two_replicas, prepared):
     plain, plain_history = _fit(two_replicas, prepare=False)
-    xla, xla_history = _fit(two_replicas, prepare="auto")
+    xla, xla_history = prepared
     assert set(_replica_steps(xla)) == {(id(two_replicas), 0), (id(two_replicas), 1)}
     assert not _replica_steps(plain)
     for a, b in zip(plain.get_weights(), xla.get_weights()):
@@ -67,8 +79,8 @@ def test_xla_per_replica_trains_like_keras_without_xla(two_replicas):
     assert int(xla.optimizer.iterations.numpy()) == 8
 
 
-def test_the_compiled_function_is_xla_and_captures_no_variable(two_replicas):
-    model, _ = _fit(two_replicas, prepare=True, epochs=1)
+def test_the_compiled_function_is_xla_and_captures_no_variable(prepared):
+    model, _ = prepared
     for function in _replica_steps(model).values():
         assert function._jit_compile is True  # tf.function(jit_compile=True)
         traced = function._list_all_concrete_functions_for_serialization()
@@ -137,9 +149,9 @@ def test_accumulation_with_xla_per_replica_equals_one_big_batch(two_replicas):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_several_steps_per_execution_train_as_one(two_replicas):
+def test_several_steps_per_execution_train_as_one(two_replicas, prepared):
     """Stock Keras fails here (tests/test_distribute.py); prepared, 4 steps a call equal 1."""
-    one, one_history = _fit(two_replicas, prepare="auto")
+    one, one_history = prepared
     four, four_history = _fit(two_replicas, prepare="auto", steps_per_execution=4)
     assert len(_replica_steps(four)) == 2
     assert int(four.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 8
@@ -247,6 +259,16 @@ def test_freezing_layers_and_recompiling_a_prepared_model_trains_as_unprepared(t
         np.testing.assert_allclose(plain, prepared, rtol=1e-5, atol=1e-6)
 
 
+@functools.cache
+def _on_one_device(batch_size, weighted, accumulation, loss):
+    """_sgd_trajectory on one device: the same for the per-variable and the flat cases. Read only."""
+    return _sgd_trajectory(None, batch_size, False, _row_weights() if weighted else None, accumulation, loss)
+
+
+def _row_weights():
+    return np.linspace(0.5, 2.0, 7).astype("float32")
+
+
 def _sgd_trajectory(strategy, batch_size, flat, sample_weight=None, accumulation=None, loss="mse"):
     """(weights, losses per epoch) after 2 epochs of SGD on 7 rows, on one device (strategy None) or prepared."""
     keras.config.set_dtype_policy("float32")
@@ -273,9 +295,8 @@ def _sgd_trajectory(strategy, batch_size, flat, sample_weight=None, accumulation
 ])
 def test_uneven_shares_train_as_one_device(two_replicas, caplog, flat, batch_size, weighted, accumulation, loss):
     """Keras's mean losses averaged each replica's mean: an empty share halved the step (batch 1)."""
-    weights = np.linspace(0.5, 2.0, 7).astype("float32") if weighted else None
-    one = _sgd_trajectory(None, batch_size, False, weights, accumulation, loss)
-    two = _sgd_trajectory(two_replicas, batch_size, flat, weights, accumulation, loss)
+    one = _on_one_device(batch_size, weighted, accumulation, loss)
+    two = _sgd_trajectory(two_replicas, batch_size, flat, _row_weights() if weighted else None, accumulation, loss)
     for a, b in zip(one[0], two[0], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6)  # XLA's FMA contraction over 14 steps
     if loss == "mse":  # (Keras reports a summed loss times the replicas)

@@ -44,15 +44,18 @@ def _assert_same(a, b, eight_bit=False):
             np.testing.assert_allclose(u, v, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("optimizer, wrap_args", [
-    ("adamw", {}),  # weight decay: a prefix of the buffer, split across the shards
-    ("sgd", {"gradient_accumulation_steps": 3}),
-    ("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
-    # (Lion, Adagrad: their flat rules are tested in test_engine; sharding does not depend on the rule.)
-    ("adamw8bit", {"gradient_accumulation_steps": 2}),  # codes and scales, sharded by whole blocks
+@pytest.mark.parametrize("optimizer, epochs, wrap_args", [
+    # Weight decay: a prefix of the buffer, split across the shards. A hundred steps: the issue's
+    # bar is 1e-6 relative after 100 steps; the math is the same, so it is exact.
+    ("adamw", 17, {}),
+    ("adam", 2, {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}),
+    # (SGD, Lion, Adagrad: their flat rules are tested in test_engine; sharding does not depend on the rule.)
+    ("adamw8bit", 2, {"gradient_accumulation_steps": 2}),  # codes and scales, sharded by whole blocks
 ])
-def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
-    (whole, sharded), (whole_loss, sharded_loss) = _pair(two_replicas, optimizer, **wrap_args)
+def test_stage_1_trains_as_stage_0(two_replicas, optimizer, epochs, wrap_args):
+    (whole, sharded), (whole_loss, sharded_loss) = _pair(two_replicas, optimizer, epochs=epochs, **wrap_args)
+    # 6 steps an epoch, a step per window of accumulation.
+    assert sharded.optimizer.iterations.numpy() == 6 * epochs // wrap_args.get("gradient_accumulation_steps", 1)
     buffers = engine.engine_of(sharded).buffers
     assert buffers.zero and not engine.engine_of(whole).buffers.zero
     # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
@@ -72,13 +75,6 @@ def test_stage_1_trains_as_stage_0(two_replicas, optimizer, wrap_args):
         assert [c.shape.as_list() for c in local(variable)] == [expected, expected], name
     _assert_same(_raw(whole), _raw(sharded), eight_bit=optimizer == "adamw8bit")  # slots: gathered back
     np.testing.assert_allclose(whole_loss, sharded_loss, rtol=1e-6 if optimizer == "adamw8bit" else 0)
-
-
-def test_a_hundred_steps_in_float32(two_replicas):
-    # The bar is 1e-6 relative after 100 steps; the math is the same, so it is exact.
-    (whole, sharded), _ = _pair(two_replicas, "adamw", epochs=17)  # 6 steps an epoch
-    assert sharded.optimizer.iterations.numpy() == 102
-    _assert_same(_raw(whole), _raw(sharded))
 
 
 def test_overflows_skip_on_every_shard_and_the_scale_moves_the_same(two_replicas):
@@ -154,7 +150,7 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_p
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw8bit"])
 def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas, optimizer):
-    (_, sharded), _ = _pair(two_replicas, optimizer, epochs=1)
+    sharded, _ = _trained(True, two_replicas, optimizer, epochs=1, wrap_args={"zero_stage": 1})
     path = tf.train.Checkpoint(model=sharded, optimizer=sharded.optimizer).write(str(tmp_path / "ckpt"))
     restored = _model(two_replicas, optimizer, zero_stage=1)
     with two_replicas.scope():
