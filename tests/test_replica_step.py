@@ -71,6 +71,9 @@ def test_xla_per_replica_trains_like_keras_without_xla(two_replicas, prepared):
     xla, xla_history = prepared
     assert set(_replica_steps(xla)) == {(id(two_replicas), 0), (id(two_replicas), 1)}
     assert not _replica_steps(plain)
+    # The overflow-layer finder wraps the XLA step: the path still names XLA.
+    assert replica_step.describe_path(xla) == "per-variable update, XLA per replica, overflow-layer finder"
+    assert replica_step.describe_path(plain) == "per-variable update, no XLA, overflow-layer finder"
     for a, b in zip(plain.get_weights(), xla.get_weights()):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(plain_history["loss"], xla_history["loss"], rtol=2e-3)

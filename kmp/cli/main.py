@@ -6,7 +6,7 @@
     kmp config check  what a DeepSpeed-style config resolves to, as a table; exit 0/1 (kmp/cli/config_check.py)
     kmp memory        bytes per replica of weights, gradients, optimizer state, accumulators (kmp/memory/estimate.py)
     kmp launch        start a multi-worker job's workers, each with its TF_CONFIG (kmp/cli/launch.py)
-    kmp bench         the P1-P4 comparisons of benchmarks/ on this machine, kmp vs stock Keras (kmp/cli/bench.py)
+    kmp bench         the P1-P4 and P6 comparisons of benchmarks/ on this machine, kmp vs stock Keras (kmp/cli/bench.py)
 
 Only the subcommand that runs imports what it needs, so `kmp --help` and
 `kmp --version` never import TensorFlow. A subcommand is an `_add_<name>`
@@ -287,11 +287,12 @@ def _add_launch(commands) -> None:
 
 def _add_bench(commands) -> None:
     bench = commands.add_parser(
-        "bench", help="the P1-P4 comparisons (kmp vs stock Keras) on this machine",
+        "bench", help="the P1-P4 and P6 comparisons (kmp vs stock Keras) on this machine",
         description="Run the project's benchmark scripts (P1/P2 step time, P3 update bandwidth, P4 accumulation "
-                    "under MultiWorkerMirroredStrategy), each in its own process, and print their tables.")
+                    "under MultiWorkerMirroredStrategy, P6 a keras-hub GPT-2), each in its own process, and print "
+                    "their tables.")
     bench.add_argument("--quick", action="store_true", help="fewer rounds and steps: a few minutes in all")
-    bench.add_argument("--only", metavar="P", help="one comparison: P1 (with P2), P3 or P4")
+    bench.add_argument("--only", metavar="P", help="one comparison: P1 (with P2), P3, P4 or P6")
     bench.set_defaults(run=_bench)
 
 

@@ -237,6 +237,9 @@ def _build_function(self, step_function):
     if buffers is not None:
         replica_step.forget(self)
         step_function = buffers.train_step
+    # Read before the finder wraps the step: its wrapper hides the partial's `.func`.
+    kmp_step = buffers is not None or getattr(step_function, "func", None) is replica_step.train_step
+    replica_xla = kmp_step and (buffers is None or buffers.xla)
     # A custom train_step may not call the model on x as Keras's does: left as it is.
     if (stock_train_step and state.setting(self, "find_overflow_layer") and FINDER not in dropped
             and overflow_layer.can_diagnose(self)):
@@ -245,7 +248,6 @@ def _build_function(self, step_function):
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
     # replica, that same reduce is the mean over replicas, shape unchanged.
-    kmp_step = buffers is not None or getattr(step_function, "func", None) is replica_step.train_step
     if every:
         step_function = wall_clock.timed_step(step_function)
     if seams.get("collective_all_reduce_multi_worker")(self.distribute_strategy):
@@ -265,8 +267,6 @@ def _build_function(self, step_function):
     if every:
         function = _timed(self, every, timed_apart, kmp_step, function)
     if stock_train_step:
-        replica_xla = getattr(step_function, "func", None) is replica_step.train_step or (
-            buffers is not None and buffers.xla)
         xla_part = "whole-step XLA" if whole_step_xla else "XLA per replica" if replica_xla else "no XLA"
         finder = FINDER not in dropped and state.setting(self, "find_overflow_layer") and \
             overflow_layer.can_diagnose(self)

@@ -24,7 +24,7 @@ After each replica has updated its shard of the flat weights (kmp.engine.buffers
 Under MirroredStrategy all replicas live in this process, and TensorFlow's
 `ReplicaContext.all_gather` there all-reduces zero-padded copies (N times
 the bytes), so here the shards are concatenated once and each device's
-weights assigned (benchmarks/p6_zero_stage1.py compares the stages). Where
+weights assigned (benchmarks/zero_stage1.py compares the stages). Where
 those devices are CPUs (one memory) nothing is gathered at all: each replica
 holds its shard of the weights and the forward passes read every shard
 (kmp.engine.buffers, `weight_shards`). Under MultiWorkerMirroredStrategy the other

@@ -13,7 +13,7 @@ Rows run in interleaved rounds (benchmarks/common.py); each row reports
 steady ms per step (median, spread, ratio to stage 0) and its whole fit()
 seconds; then the bytes each replica device holds (kmp.measured_bytes).
 
-    python benchmarks/p6_zero_stage1.py [--rounds 5] [--steps 30] [--quick]
+    python benchmarks/zero_stage1.py [--rounds 5] [--steps 30] [--quick]
 
 Measured 2026-11-25 on this 2-core VM (`--rounds 5 --steps 30`, 10 min):
 
