@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 from common import fit_times, interleaved, use_two_logical_cpus
@@ -75,6 +76,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="no warm-up round, and --rounds 1 --steps 10 unless given")
     args = parser.parse_args()
+    try:
+        import keras_hub  # noqa: F401
+    except ImportError:
+        sys.exit("P6 builds its GPT-2 with keras-hub, which is not installed: pip install 'keras-hub>=0.32,<0.33' "
+                 "(or kmp's test extra, pip install '.[test]').")
     warmup = 0 if args.quick else 1
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.steps = args.steps or (10 if args.quick else 20)
