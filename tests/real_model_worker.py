@@ -43,7 +43,6 @@ def local(out: str, specs_file: str) -> int:
 
 
 def workers(out: str, specs: list[str]) -> int:
-    import keras
     import tensorflow as tf
 
     import kmp
@@ -57,12 +56,7 @@ def workers(out: str, specs: list[str]) -> int:
     for spec in specs:
         name, policy, path = spec.split(":")
         case = real_models.CASES[name]
-        keras.config.set_dtype_policy(policy)
-        keras.utils.set_random_seed(0)
-        with strategy.scope():
-            model = case.build()
-            real_models.compile_case(case, model, lambda: kmp.wrap(real_models.adamw()))
-        kmp.prepare(model, flat_buffers=path == "flat")
+        model = real_models.kmp_model(case, real_models.Axis(policy), path, strategy)
         losses = real_models.fit_steps(case, model, real_models.STEPS, real_models.BATCH)
         results[spec] = {"losses": losses, "path": replica_step.describe_path(model),
                          "replicas": strategy.num_replicas_in_sync,

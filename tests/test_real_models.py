@@ -69,16 +69,20 @@ ROOT = Path(__file__).resolve().parent.parent
 _MEASURED = {}
 
 
+def _env():
+    """A worker process's environment: this checkout's kmp and tests importable, TF's start-up lines off."""
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
 def _run(specs, directory):
     """tests/real_model_worker.py local on `specs`, in a fresh process: its results by spec."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "specs.json").write_text(json.dumps(specs))
     out, log = directory / "results.json", directory / "worker.log"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     with open(log, "w", encoding="utf-8") as f:
         code = subprocess.call([sys.executable, str(ROOT / "tests" / "real_model_worker.py"), "local", str(out),
-                                str(directory / "specs.json")], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                str(directory / "specs.json")], stdout=f, stderr=subprocess.STDOUT, env=_env(),
                                cwd=ROOT, timeout=3600)
     results = json.loads(out.read_text()) if out.exists() else {}
     if code != 0 and len(results) < len(specs):
@@ -135,11 +139,9 @@ def test_real_models_train_on_two_workers(tmp_path, record_property):
     from kmp.cli.launch import LocalJob
 
     specs = [f"{name}:{AXES[axis].policy}:{path}" for name, axis, path in MULTI_WORKER]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     worker = ROOT / "tests" / "real_model_worker.py"
     job = LocalJob(lambda i: [sys.executable, str(worker), "workers", str(tmp_path / f"worker{i}.json"), *specs], 2,
-                   env=env, cwd=ROOT, log_dir=tmp_path, threads=False)
+                   env=_env(), cwd=ROOT, log_dir=tmp_path, threads=False)
     with job:
         codes = job.wait(timeout=900)
     if codes != [0, 0]:
