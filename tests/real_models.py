@@ -243,6 +243,8 @@ CASES = {c.name: c for c in [
 class _StepLosses(keras.callbacks.Callback):
     """Each step's own loss: Keras logs the running mean since the epoch began."""
 
+    kmp_reads_weights = False  # logs only: the flat engine need not copy the weights for it each batch
+
     def __init__(self, key):
         super().__init__()
         self.key, self.means = key, []
@@ -349,6 +351,10 @@ def reference(case, axis, strategy):
         with (strategy if replicated else tf.distribute.get_strategy()).scope():
             model = case.build()
             compile_case(case, model, make, jit_compile=not replicated)
+            if model.built and not model.optimizer.built:
+                # Built inside the first step, Keras's LossScaleOptimizer makes TensorFlow trace
+                # the whole step twice (variables created on a first call): same values, one trace.
+                model.optimizer.build(model.trainable_variables)
         _REFERENCES[key] = fit_steps(case, model, STEPS, BATCH), skipped_steps(model)
     return _REFERENCES[key]
 

@@ -494,19 +494,24 @@ class FlatBuffers:
 
     def _parts(self, flat, name="weights", shapes=None):
         """Whole buffer `name` as one tensor per variable (of `shapes`, the variables' by default), in buffer order."""
-        spans = [self._length(name, span) for span in self.spans]
         shapes = self.shapes if shapes is None else shapes
-        return [tf.reshape(p if span == n else p[:n], s)
-                for p, span, n, s in zip(tf.split(flat, spans), spans, sizes(shapes), shapes)]
+        # One split into each variable and each padding after it: no slice per variable.
+        pieces, keep = [], []
+        for span, n in zip((self._length(name, span) for span in self.spans), sizes(shapes)):
+            keep.append(len(pieces))
+            pieces += [n, span - n] if span > n else [n]
+        parts = tf.split(flat, pieces)
+        return [tf.reshape(parts[k], s) for k, s in zip(keep, shapes)]
 
     def _joined(self, name, values):
         """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
         pad = getattr(self.rule, "pads", {}).get(name, 0)
         parts = []
         for value, span in zip(values, self.spans):
-            flat, span = tf.reshape(value, [-1]), self._length(name, span)
-            parts.append(flat if flat.shape[0] == span else
-                         tf.concat([flat, tf.fill([span - flat.shape[0]], tf.constant(pad, flat.dtype))], axis=0))
+            n, span = value.shape.num_elements(), self._length(name, span)
+            parts.append(tf.reshape(value, (n,)))
+            if span > n:
+                parts.append(tf.fill((span - n,), tf.constant(pad, value.dtype)))
         return tf.concat(parts, axis=0)
 
     def _segments(self):
@@ -560,15 +565,17 @@ class FlatBuffers:
 
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            flat = self._joined(name, [v.read_value() for v in mirrors[name]])
-            buffer.assign(self._shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
+            # value(), and assign without reading back: no Identity, no read, per variable (eagerly, each op counts).
+            flat = self._joined(name, [v.value() for v in mirrors[name]])
+            buffer.assign(self._shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]),
+                          read_value=False)
 
     def _store_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
-            flat = (buffer.read_value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
+            flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
             for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
-                variable.assign(part)
+                variable.assign(part, read_value=False)
 
 
 class _Masked:
