@@ -8,11 +8,6 @@ import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# XLA's LLVM back end unoptimized: the suite's programs run a few steps each, and compile 10-30%
-# faster (the conv nets of test_real_models the most). Worker processes inherit it; kmp and stock
-# Keras are compiled alike. A level the caller sets is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
