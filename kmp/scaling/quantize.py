@@ -121,7 +121,7 @@ def _search_tables(mid: np.ndarray) -> tuple[np.ndarray, ...] | None:
         return None  # a subnormal midpoint: CPUs that flush subnormals to zero would compare differently
     base, shift, low, shared = np.zeros(512, np.int32), np.zeros(512, np.int32), [], {}
     for top in range(512):
-        if top & 0xFF == 0xFF:  # inf and NaN: q 0, as NaN compares. The quotient is NaN or in [-1, 1], never inf.
+        if top & 0xFF == 0xFF:  # inf and NaN: 0, as NaN compares (_count_below sets +inf apart)
             k, q = 0, np.zeros(1, np.int64)
         else:
             for k in range(10):
@@ -165,7 +165,8 @@ def _count_below(mid: np.ndarray, v: tf.Tensor) -> tf.Tensor:
     binade = tf.bitwise.right_shift(bits, 23) & 0x1FF
     bucket = tf.gather(base, binade) + tf.bitwise.right_shift(bits & 0x7FFFFF, tf.gather(shift, binade))
     # Four tables, each value used once: XLA then fuses all of it, and the divide, into one loop.
-    return tf.gather(low, bucket) + tf.cast(v > tf.gather(threshold, bucket), tf.int32)
+    q = tf.gather(low, bucket) + tf.cast(v > tf.gather(threshold, bucket), tf.int32)
+    return tf.where(v == np.inf, len(mid) - 1, q)  # a block with inf or NaN is divided by 1, its inf kept
 
 
 def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tensor]:
