@@ -22,7 +22,10 @@ Where this differs from bitsandbytes, on purpose:
   the midpoints are the exact ones rounded down to float32, which makes the float32 comparison exact.
   bitsandbytes rounds its float32 midpoints to nearest, so a quotient within one ulp of a midpoint can differ.
 - tf.searchsorted is not used: under XLA, TensorFlow lowers it to an n x 255 comparison matrix (1 KB per element,
-  seen in the optimized HLO). An 8-step branchless binary search does the same lower-bound search in O(8 n).
+  seen in the optimized HLO). The lower bound is read from the float's bits instead (_search_tables): its sign and
+  exponent, then leading significand bits, pick a bucket with at most one midpoint, and one comparison with that
+  midpoint decides. Four lookups in tables of at most 512 entries, which XLA fuses with the divide into one loop;
+  an 8-step binary search took 8 dependent gathers an element. Codes the tables cannot serve use that search.
 - A block whose absmax is 0 or subnormal (below 2**-126) stores absmax 0 and decodes to exact zeros, never NaN
   (bitsandbytes' reference kernel divides by max(absmax, 1e-38)). TensorFlow on CPU flushes subnormals anyway;
   deciding it here gives the same result where they are not flushed.
