@@ -176,6 +176,16 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
         expected = shard // 256 if "scales" in name else shard
         assert [c.shape.as_list() for c in components] == [[expected]] * replicas, name
         assert components[0].dtype == ("float32" if "scales" in name else "uint8")
+    # The bytes each replica device holds of the 8-bit state, read from the variables there: a byte per element of
+    # its shard for each moment and a float32 per block, 2 / N bytes per parameter and the scales (31 blocks: 16 each).
+    held = {}
+    for name in buffers.slot_names:
+        for c in strategy.experimental_local_results(buffers.buffers[name]) if strategy else [buffers.buffers[name]]:
+            device = tf.DeviceSpec.from_string(c.device).to_string()
+            held[device] = held.get(device, 0) + c.numpy().nbytes
+    devices = strategy.extended.worker_devices if strategy else list(held)
+    assert sorted(held) == sorted(tf.DeviceSpec.from_string(d).to_string() for d in devices)
+    assert list(held.values()) == [2 * shard + 2 * 4 * (shard // 256)] * replicas
     # The same blocks, so the same codes and scales; the update's float32
     # arithmetic in another fusion moves a weight by an ulp now and then.
     for a, b in zip(plain.optimizer.variables, flat.optimizer.variables):

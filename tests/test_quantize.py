@@ -271,3 +271,123 @@ def test_property_matches_reference(x, signed, block_size):
     assert np.array_equal(q, ref_q)
     assert np.array_equal(absmax, ref_absmax) and np.array_equal(deq, ref_deq)
     _assert_bound(x, absmax, deq, code, block_size)
+
+
+# --- the table lookup against the 8-step binary search it replaced ------------------------------------------------
+
+def _binary_search_quantize(x, code, block_size=256):
+    """kmp.scaling.quantize's former algorithm, kept as the reference: absmax by a float reduce_max and a finiteness
+    check, then the lower bound of x / absmax among the midpoints by a branchless binary search of 8 gathers."""
+    x = tf.convert_to_tensor(x, tf.float32)
+    mid = tf.constant(kq._lower_midpoints(code))
+    xb, n = kq._blocks(x, block_size)
+    absmax = tf.reduce_max(tf.abs(xb), axis=1)
+    absmax = tf.where(absmax >= np.finfo(np.float32).tiny, absmax, 0.0)
+    absmax = tf.where(tf.reduce_all(tf.math.is_finite(xb), axis=1), absmax, np.nan)
+    v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]
+    q = tf.zeros(tf.shape(v), tf.int32)
+    for step in (128, 64, 32, 16, 8, 4, 2, 1):
+        q = tf.where(tf.gather(mid, q + (step - 1)) < v, q + step, q)
+    return tf.cast(tf.reshape(q, [-1])[:n], tf.uint8), absmax
+
+
+def _both(x, code, block_size, xla):
+    """(new q, new absmax), (old q, old absmax) as numpy, eagerly or both under XLA."""
+    new = lambda x: kq.quantize(x, code, block_size)  # noqa: E731
+    old = lambda x: _binary_search_quantize(x, code, block_size)  # noqa: E731
+    if xla:
+        new, old = (tf.function(f, jit_compile=True) for f in (new, old))
+    return [[t.numpy() for t in f(tf.constant(x))] for f in (new, old)]
+
+
+def _assert_same_bits(x, code, block_size=256, xla=False):
+    (q, absmax), (old_q, old_absmax) = _both(x, code, block_size, xla)
+    assert np.array_equal(q, old_q), f"codes differ at {np.flatnonzero(q != old_q)[:5]}"
+    assert np.array_equal(_bits(absmax), _bits(old_absmax))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_tables_serve_the_dynamic_maps_and_fit_in_1024_entries(signed):
+    tables = kq._search_tables(kq._lower_midpoints(kq.dynamic_map(signed)))
+    assert tables is not None  # else quantize falls back to the binary search
+    assert all(t.ndim == 1 and len(t) <= 1024 for t in tables)
+
+
+def _around(values, ulps=2):
+    """values and their float32 neighbours up to `ulps` either way."""
+    values = np.asarray(values, np.float32)
+    out = [values]
+    for direction in (np.inf, -np.inf):
+        near = values
+        for _ in range(ulps):
+            near = np.nextafter(near, np.float32(direction))
+            out.append(near)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("xla", [False, True])
+def test_lookup_equals_the_search_at_every_bucket_edge_and_midpoint(signed, xla):
+    """Every value where the tables change, or a code's midpoint lies, and their neighbours: with a 1.0 in the block,
+    x / absmax is x itself, so these are exactly the quotients the lookup sees."""
+    code = kq.dynamic_map(signed)
+    mid = kq._lower_midpoints(code)[:-1]
+    base, shift, low, _ = kq._search_tables(kq._lower_midpoints(code))
+    edges = []
+    for top in range(512):
+        if top & 0xFF != 0xFF:
+            count = 1 << (23 - int(shift[top]))
+            starts = (top << 23) | (np.arange(count, dtype=np.int64) << int(shift[top]))
+            edges.append(starts.astype(np.uint32).view(np.float32))
+    values = _around(np.concatenate([mid, -mid, *edges, [0.0, -0.0, 1e-39, -1e-39, 1.0, -1.0]]))
+    values = values[np.isfinite(values) & (np.abs(values) <= 1)]
+    x = np.concatenate([[1.0], values]).astype(np.float32)
+    assert len(x) > 2000
+    _assert_same_bits(x, code, block_size=len(x), xla=xla)  # one block: absmax 1
+    q = _both(x, code, len(x), xla)[0][0]
+    assert np.array_equal(q, np.searchsorted(kq._lower_midpoints(code), x, side="left"))
+
+
+# Values quantize must treat as the search did: midpoints of either map (times a power of two, with that power of
+# two in the same block, so x / absmax is the midpoint) and their neighbours, zeros, subnormals, huge, inf and NaN.
+_MIDPOINTS = _around(np.concatenate([kq._lower_midpoints(kq.dynamic_map(s))[:-1] for s in (True, False)]), 1)
+_special = st.sampled_from([0.0, -0.0, 1e-39, -1e-39, 1e-45, 3e38, -3e38, np.inf, -np.inf, np.nan, 1.0, -1.0])
+_adversarial = st.one_of(st.sampled_from(list(_MIDPOINTS) + list(-_MIDPOINTS)), _special,
+                         st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=hnp.arrays(np.float32, st.integers(1, 600), elements=_adversarial),
+       scale=st.integers(-120, 120), signed=st.booleans(), block_size=st.sampled_from([1, 3, 64, 256]))
+def test_property_same_bits_as_the_binary_search(x, scale, signed, block_size):
+    with np.errstate(over="ignore"):
+        x = x * np.float32(2.0 ** scale)  # a power of two: where it neither overflows nor underflows, the same quotients
+    _assert_same_bits(x.astype(np.float32), kq.dynamic_map(signed), block_size)  # negatives too with the unsigned map
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_under_xla_same_bits_as_the_binary_search_on_adversarial_blocks(signed):
+    rng = np.random.default_rng(6)
+    x = rng.choice(np.concatenate([_MIDPOINTS, -_MIDPOINTS]), 256 * 12).astype(np.float32)
+    x[::256] = 1.0  # each block's absmax 1: the quotients are the midpoints and their neighbours
+    x[256 * 3:256 * 4] *= np.float32(2.0 ** -60)  # a block of small values, one of huge, and of every kind at once
+    x[256 * 4:256 * 5] *= np.float32(2.0 ** 100)
+    x[256 * 5:256 * 6] = rng.choice(np.array([0.0, -0.0, 1e-39, -1e-39, 3e38, -3e38, 1e-30], np.float32), 256)
+    x[256 * 6 + 7], x[256 * 7 + 8], x[256 * 8 + 9] = np.nan, np.inf, -np.inf
+    x[256 * 9:256 * 10] = 0.0
+    x[256 * 10:] = rng.standard_normal(512).astype(np.float32) * np.float32(1e-3)
+    _assert_same_bits(x, kq.dynamic_map(signed), xla=True)
+    _assert_same_bits(x[:1000], kq.dynamic_map(signed), xla=True)  # a partial last block
+
+
+def test_a_code_the_tables_cannot_serve_falls_back_to_the_search():
+    # Two codes 1e-6 and 2e-6 above another: their midpoints share any bucket a cut into at most 512 makes.
+    linear = np.linspace(-1, 1, 254, dtype=np.float32)
+    near = linear[np.argmin(np.abs(linear - 0.7))]
+    code = np.sort(np.concatenate([linear, near + np.float32([1e-6, 2e-6])])).astype(np.float32)
+    assert kq._search_tables(kq._lower_midpoints(code)) is None
+    x = np.concatenate([[1.0], _around(kq._lower_midpoints(code)[:-1], 1),
+                        np.random.default_rng(7).uniform(-1, 1, 500)]).astype(np.float32)
+    q, absmax, _ = _round_trip(x, code, block_size=len(x))
+    assert np.array_equal(q, _reference(x, code, block_size=len(x))[0])
+    _assert_same_bits(x, code, block_size=len(x))

@@ -22,7 +22,10 @@ Where this differs from bitsandbytes, on purpose:
   the midpoints are the exact ones rounded down to float32, which makes the float32 comparison exact.
   bitsandbytes rounds its float32 midpoints to nearest, so a quotient within one ulp of a midpoint can differ.
 - tf.searchsorted is not used: under XLA, TensorFlow lowers it to an n x 255 comparison matrix (1 KB per element,
-  seen in the optimized HLO). An 8-step branchless binary search does the same lower-bound search in O(8 n).
+  seen in the optimized HLO). The lower bound is read from the float's bits instead (_search_tables): its sign and
+  exponent, then leading significand bits, pick a bucket with at most one midpoint, and one comparison with that
+  midpoint decides. Four lookups in tables of at most 512 entries, which XLA fuses with the divide into one loop;
+  an 8-step binary search took 8 dependent gathers an element. Codes the tables cannot serve use that search.
 - A block whose absmax is 0 or subnormal (below 2**-126) stores absmax 0 and decodes to exact zeros, never NaN
   (bitsandbytes' reference kernel divides by max(absmax, 1e-38)). TensorFlow on CPU flushes subnormals anyway;
   deciding it here gives the same result where they are not flushed.
@@ -46,6 +49,7 @@ import tensorflow as tf
 
 BLOCK_SIZE = 256
 _TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
+_TINY_BITS, _INF_BITS = 0x00800000, 0x7F800000  # the bit patterns of 2**-126 and of inf
 
 
 def _linspace32(start: float, end: float, steps: int) -> np.ndarray:
@@ -106,21 +110,84 @@ def _blocks(x: tf.Tensor, block_size: int) -> tuple[tf.Tensor, int]:
     return tf.reshape(tf.pad(x, [[0, blocks * block_size - n]]), [blocks, block_size]), n
 
 
+def _search_tables(mid: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """Tables that give #{mid < v} for a float32 v from its bits, or None if `mid` does not allow them.
+
+    A float's top 9 bits (sign, exponent) pick its binade, which is cut into 2**k equal buckets of its significand,
+    k the fewest that leave at most one midpoint in each: bucket = base[binade] + (significand >> shift[binade]).
+    With low[bucket] = #{mid < the bucket's lowest value}, #{mid < v} = low + (v > mid[low]) for every v in the
+    bucket (the next midpoint is past it). Returns (base, shift, low, mid[low]); a dynamic map needs a few
+    hundred buckets, every entry computed from `mid`, none assumed.
+    """
+    finite = mid[np.isfinite(mid)]
+    if not np.all((finite == 0) | (np.abs(finite) >= _TINY)):
+        return None  # a subnormal midpoint: CPUs that flush subnormals to zero would compare differently
+    base, shift, low, shared = np.zeros(512, np.int32), np.zeros(512, np.int32), [], {}
+    for top in range(512):
+        if top & 0xFF == 0xFF:  # inf and NaN: 0, as NaN compares (_count_below sets +inf apart)
+            k, q = 0, np.zeros(1, np.int64)
+        else:
+            for k in range(10):
+                first = (top << 23) | (np.arange(2 ** k, dtype=np.int64) << (23 - k))
+                ends = np.stack([first, first | ((1 << (23 - k)) - 1)], axis=1)
+                ends = ends[:, ::-1] if top >> 8 else ends  # negative floats: the larger bits, the lower value
+                counts = np.searchsorted(mid, ends.astype(np.uint32).view(np.float32), side="left")
+                q = counts[:, 0]
+                if np.all(counts[:, 1] - q <= 1):
+                    break
+            else:
+                return None
+        shift[top] = 23 - k
+        if k == 0 and int(q[0]) in shared:  # one-bucket binades repeat a few entries
+            base[top] = shared[int(q[0])]
+            continue
+        if k == 0:
+            shared[int(q[0])] = len(low)
+        base[top] = len(low)
+        low += list(q)
+    low = np.array(low, np.int32)
+    return base, shift, low, mid[low]
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_search_tables(mid_bytes: bytes):
+    return _search_tables(np.frombuffer(mid_bytes, np.float32))
+
+
+def _count_below(mid: np.ndarray, v: tf.Tensor) -> tf.Tensor:
+    """#{mid < v} elementwise (int32), the lower bound of v in the 256 sorted midpoints (the last one +inf)."""
+    tables = _cached_search_tables(mid.tobytes())
+    if tables is None:
+        # A branchless binary search, 8 gathers an element.
+        q = tf.zeros(tf.shape(v), tf.int32)
+        for step in (128, 64, 32, 16, 8, 4, 2, 1):
+            q = tf.where(tf.gather(mid, q + (step - 1)) < v, q + step, q)
+        return q
+    base, shift, low, threshold = (tf.constant(t) for t in tables)
+    bits = tf.bitcast(v, tf.int32)
+    binade = tf.bitwise.right_shift(bits, 23) & 0x1FF
+    bucket = tf.gather(base, binade) + tf.bitwise.right_shift(bits & 0x7FFFFF, tf.gather(shift, binade))
+    # Four tables, each value used once: XLA then fuses all of it, and the divide, into one loop.
+    q = tf.gather(low, bucket) + tf.cast(v > tf.gather(threshold, bucket), tf.int32)
+    return tf.where(v == np.inf, len(mid) - 1, q)  # a block with inf or NaN is divided by 1, its inf kept
+
+
 def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tensor]:
     """x float32 [n] -> (q uint8 [n], absmax float32 [ceil(n / block_size)]): q indexes code nearest x / absmax."""
     x = tf.convert_to_tensor(x, tf.float32)
-    mid = tf.constant(_lower_midpoints(code))
+    mid = _lower_midpoints(code)
     xb, n = _blocks(x, block_size)
-    absmax = tf.reduce_max(tf.abs(xb), axis=1)
-    absmax = tf.where(absmax >= _TINY, absmax, 0.0)  # 0 or subnormal: stored as a zero block
-    # Said explicitly: XLA's reduce_max on CPU drops NaN (eager keeps it), and a block must not look finite.
-    absmax = tf.where(tf.reduce_all(tf.math.is_finite(xb), axis=1), absmax, np.nan)
+    # The largest |x| of a block as the largest of its bit patterns without the sign: one integer reduction that
+    # also sees inf and NaN (patterns from 0x7F800000 up), which XLA's float reduce_max on CPU drops.
+    if block_size % 32 == 0:  # by 32, then by block: so XLA on CPU fuses it (whole blocks it reduces in two passes)
+        by_32 = tf.reduce_max(tf.bitcast(tf.reshape(xb, [-1, 32]), tf.int32) & 0x7FFFFFFF, axis=1)
+        top = tf.reduce_max(tf.reshape(by_32, [-1, block_size // 32]), axis=1)
+    else:
+        top = tf.reduce_max(tf.bitcast(xb, tf.int32) & 0x7FFFFFFF, axis=1)
+    absmax = tf.where(top >= _TINY_BITS, tf.bitcast(top, tf.float32), 0.0)  # 0 or subnormal: a zero block
+    absmax = tf.where(top < _INF_BITS, absmax, np.nan)
     v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]  # a zero block stays 0, not 0 / 0
-    # q = #{midpoints < v}, the lower bound, by a branchless binary search over the 256 sorted entries.
-    q = tf.zeros(tf.shape(v), tf.int32)
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        q = tf.where(tf.gather(mid, q + (step - 1)) < v, q + step, q)
-    return tf.cast(tf.reshape(q, [-1])[:n], tf.uint8), absmax
+    return tf.cast(tf.reshape(_count_below(mid, v), [-1])[:n], tf.uint8), absmax
 
 
 def dequantize(q, absmax, code, block_size: int = BLOCK_SIZE) -> tf.Tensor:
