@@ -108,19 +108,26 @@ def test_wrap_stays_the_function_when_its_module_is_imported_first(tmp_path):
     assert done.stdout == "wrap\n"
 
 
-@pytest.mark.parametrize("imports", ["import keras, kmp", "import kmp, keras"])
-def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp_path, imports):
-    """kmp's optimizer is registered with Keras as soon as both are imported, as the eager import did."""
+@pytest.fixture(scope="module")
+def kmp_keras_file(tmp_path_factory):
+    """A `.keras` file of a model trained with kmp's optimizer (read only)."""
     import keras
     import numpy as np
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
-    model.save(tmp_path / "model.keras")
+    path = tmp_path_factory.mktemp("kmp_keras_file") / "model.keras"
+    model.save(path)
+    return path
+
+
+@pytest.mark.parametrize("imports", ["import keras, kmp", "import kmp, keras"])
+def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp_path, kmp_keras_file, imports):
+    """kmp's optimizer is registered with Keras as soon as both are imported, as the eager import did."""
     done, _ = run_python(
         f"{imports}\n"
-        f"print(type(keras.saving.load_model({str(tmp_path / 'model.keras')!r}).optimizer).__name__)\n",
+        f"print(type(keras.saving.load_model({str(kmp_keras_file)!r}).optimizer).__name__)\n",
         tmp_path)
     assert done.stdout == "LossScaleOptimizer\n"
 
@@ -132,8 +139,10 @@ def test_keras_and_kmp_in_either_order_load_a_keras_file_with_kmps_optimizer(tmp
 FIRST_USE = """
 import ctypes, importlib, importlib.util, json, os, sys, traceback
 
-for package in ("numpy", "scipy", "h5py", "ml_dtypes", "google.protobuf", "absl", "wrapt", "opt_einsum", "IPython",
-                "jedi", "requests", "rich", "optree", "namex", "matplotlib", "flatbuffers", "gast", "termcolor"):
+# The submodules too (matplotlib.pyplot: keras.src.visualization imports it): 3 s of each child's import otherwise.
+for package in ("numpy", "scipy", "scipy.sparse", "h5py", "ml_dtypes", "google.protobuf", "absl", "wrapt", "opt_einsum",
+                "IPython", "jedi", "requests", "rich", "rich.console", "optree", "namex", "matplotlib",
+                "matplotlib.pyplot", "mpl_toolkits.mplot3d", "flatbuffers", "gast", "termcolor", "psutil"):
     try:
         importlib.import_module(package)
     except ImportError:

@@ -77,13 +77,15 @@ _SETTINGS = [("float32", 1), ("mixed_float16", 1), ("mixed_float16", 2)]
 
 # Each setting (one device without XLA, one device's whole-step XLA, replicas in shards) with and
 # without accumulation and clipping, which change the step's path (kmp.scaling.optimizer,
-# apply_flat); each optimizer's flat rule once (the rule is elementwise, the same in every setting).
+# apply_flat); each optimizer's flat rule once (the rule is elementwise, the same in every setting),
+# the ones without a fused per-variable update on the cheapest setting (Lamb's one update needs replicas).
 @pytest.mark.parametrize("optimizer, wrap_args, policy, replicas", [
-    *[("adamw", {}, *setting) for setting in _SETTINGS],
     *[("adam", {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5}, *setting) for setting in _SETTINGS],
+    ("adamw", {}, "mixed_float16", 1),
+    ("adamw", {}, "mixed_float16", 2),  # sharded without accumulation: bit for bit
     ("sgd", {"gradient_accumulation_steps": 3}, "mixed_float16", 2),  # accumulation without clipping, sharded
-    ("lion", {}, "mixed_float16", 2),
-    ("adagrad", {}, "float32", 1),
+    ("lion", {}, "float32", 1),
+    ("adagrad", {}, "float32", 1),  # (with Lion: one device without XLA, without accumulation)
     ("lamb", {"gradient_accumulation_steps": 2}, "mixed_float16", 2),
 ])
 def test_the_buffers_train_as_the_per_variable_path(policy, optimizer, wrap_args, replicas, two_replicas):
@@ -196,13 +198,24 @@ class _Recorder(keras.callbacks.Callback):
         self.seen.append(self.model.get_layer("d1").kernel.numpy().copy())
 
 
-def test_a_callback_reading_variables_each_batch_sees_the_current_weights(caplog):
+class _Zeroer(keras.callbacks.Callback):
+    """Writes a kernel directly in the middle of an epoch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            kernel = self.model.get_layer("out").kernel
+            kernel.assign(np.zeros(kernel.shape, "float32"))
+
+
+def test_callbacks_reading_each_batch_and_writing_mid_epoch_see_and_set_the_current_weights(caplog):
+    # One run each way with both callbacks: d1's kernel read after every batch, out's kernel
+    # zeroed after batch 2 of each epoch (the writes also change what the later reads see).
     recorders = [_Recorder(), _Recorder()]
     with caplog.at_level(logging.WARNING, logger="kmp.engine.engine"):
-        runs = [_trained(flat, callbacks=[recorder], epochs=1)[0] for flat, recorder in zip((False, True), recorders)]
+        runs = [_trained(flat, callbacks=[recorder, _Zeroer()])[0] for flat, recorder in zip((False, True), recorders)]
     assert caplog.text.count("_Recorder overrides on_train_batch_end: the flat-buffer engine copies") == 1
     # What each batch hook saw matches the per-variable path, and so does where training ended.
-    assert len(recorders[1].seen) == ROWS // 8
+    assert len(recorders[1].seen) == 2 * ROWS // 8
     _assert_close(recorders[0].seen, recorders[1].seen)
     assert not np.array_equal(recorders[1].seen[0], recorders[1].seen[-1])  # it trained
     _assert_close(_raw(runs[0]), _raw(runs[1]))
@@ -239,14 +252,20 @@ def test_the_many_variable_paths_train_the_same(adam_on_two_replicas, two_replic
     _assert_close(seen_one.seen, seen_other.seen, rtol=0, atol=0)
 
 
-def test_gradients_written_in_place_are_the_joined_ones(monkeypatch):
+@pytest.fixture(scope="module")
+def one_epoch_on_one_device():
+    """The engine's defaults on one device, float32, one epoch: a model that tests read (or change and restore)."""
+    return _trained(True, epochs=1)[0]
+
+
+def test_gradients_written_in_place_are_the_joined_ones(one_epoch_on_one_device, monkeypatch):
     # Inside XLA on replicas that are CPUs of one process, variables of
     # kmp.engine.buffers.IN_PLACE_FROM elements or more are written into the flat gradient
     # in place and the runs of smaller ones between them joined; elsewhere
     # everything is joined. With the threshold at 16 this model has both kinds
     # (out's bias: 1 element), and a variable without a gradient: the same
     # elements, bit for bit, padded as if to two shards.
-    model, _ = _trained(True, epochs=1)
+    model = one_epoch_on_one_device
     buffers = engine.engine_of(model).buffers
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.normal(size=v.shape) * 300, tf.float16) for v in model.trainable_variables]
@@ -290,20 +309,6 @@ def test_one_device_joins_the_gradient(monkeypatch):
     assert not engine.engine_of(model).buffers.in_place
 
 
-class _Zeroer(keras.callbacks.Callback):
-    """Writes a kernel directly in the middle of an epoch."""
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 2:
-            kernel = self.model.get_layer("out").kernel
-            kernel.assign(np.zeros(kernel.shape, "float32"))
-
-
-def test_a_callback_writing_variables_mid_epoch_is_honoured():
-    runs = [_trained(f, callbacks=[_Zeroer()])[0] for f in (False, True)]
-    _assert_close(_raw(runs[0]), _raw(runs[1]))
-
-
 def test_a_callback_that_says_it_reads_no_weights_costs_no_copies():
     class Quiet(_Recorder):
         kmp_reads_weights = False
@@ -327,9 +332,9 @@ def test_model_checkpoint_mid_epoch_saves_the_current_weights(tmp_path):
     assert not np.array_equal(files[1][0], untrained[0])
 
 
-def test_a_keras_file_moves_between_the_engine_and_plain_keras(tmp_path):
+def test_a_keras_file_moves_between_the_engine_and_plain_keras(one_epoch_on_one_device, tmp_path):
     x, _ = _data()
-    model, _ = _trained(True)
+    model = one_epoch_on_one_device
     model.save(tmp_path / "flat.keras")
     plain = keras.models.load_model(tmp_path / "flat.keras")  # no prepare, no engine
     np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
@@ -342,8 +347,8 @@ def test_a_keras_file_moves_between_the_engine_and_plain_keras(tmp_path):
     _assert_close(*continued)
 
 
-def test_checkpoints_hold_keras_variables_only(tmp_path):
-    model, _ = _trained(True, epochs=1)
+def test_checkpoints_hold_keras_variables_only(one_epoch_on_one_device, tmp_path):
+    model = one_epoch_on_one_device
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
     names = [name for name, _ in tf.train.list_variables(path)]
     assert not [n for n in names if "kmp_flat" in n]
@@ -353,33 +358,21 @@ def test_checkpoints_hold_keras_variables_only(tmp_path):
     _assert_close(_raw(model), _raw(restored), rtol=0, atol=0)
 
 
-def test_set_weights_between_fits_is_trained_from():
-    runs = []
-    for flat in (False, True):
-        model, _ = _trained(flat, epochs=1)
-        model.set_weights([w * 0.5 for w in model.get_weights()])
-        model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        runs.append(_raw(model))
-    _assert_close(*runs)
-
-
-def test_early_stopping_restores_the_best_weights():
-    runs = []
+def test_validation_and_evaluate_see_the_current_weights_and_early_stopping_restores_the_best():
+    # Validated each epoch; stopped after the second epoch (no improvement of 10) with the first epoch's
+    # weights restored; then evaluated, on the restored weights.
+    x, y = _data()
+    runs, results = [], []
     for flat in (False, True):
         stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, restore_best_weights=True,
                                              start_from_epoch=0, min_delta=10.0)
-        runs.append(_raw(_trained(flat, epochs=4, callbacks=[stop])[0]))
-    _assert_close(*runs)
-
-
-def test_validation_and_evaluate_see_the_current_weights():
-    x, y = _data()
-    results = []
-    for flat in (False, True):
-        model, logs = _trained(flat, validation_data=(x, y))
+        model, logs = _trained(flat, epochs=4, callbacks=[stop], validation_data=(x, y))
+        assert len(logs["loss"]) == 2 and stop.best_epoch == 0, "expected the stop after epoch 2, epoch 1 restored"
+        runs.append(_raw(model))
         results.append((logs["val_loss"], model.evaluate(x, y, verbose=0)))
-    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
-    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5)
+    _assert_close(*runs)  # the restored weights
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, err_msg="val_loss")
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, err_msg="evaluate")
 
 
 class _Interrupt(keras.callbacks.Callback):
@@ -418,10 +411,14 @@ def test_kmp_backup_resumes_exactly_with_buffers(tmp_path):
     _assert_close(whole, resumed, rtol=0, atol=0)
 
 
-def test_a_new_compile_gets_new_buffers():
-    losses = []
+def test_set_weights_between_fits_is_trained_from_and_a_new_compile_gets_new_buffers():
+    runs, losses = [], []
     for flat in (False, True):
         model, _ = _trained(flat, epochs=1)
+        model.set_weights([w * 0.5 for w in model.get_weights()])
+        model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs.append(_raw(model))
+        # Then compiled anew (SGD at lr 0, MAE): new buffers, trained from the weights as they are.
         first = engine.engine_of(model)
         model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.SGD(0.0)), loss="mae")
         before = [np.array(w) for w in model.trainable_weights]
@@ -429,6 +426,7 @@ def test_a_new_compile_gets_new_buffers():
         if flat:
             assert engine.engine_of(model) is not first
         _assert_close(before, [np.array(w) for w in model.trainable_weights], rtol=0, atol=0)
+    _assert_close(*runs)  # set_weights was trained from
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # the new loss (MAE), on the same weights
 
 
