@@ -15,57 +15,15 @@ seconds; then the bytes each replica device holds (kmp.measured_bytes).
 
     python benchmarks/zero_stage1.py [--rounds 5] [--steps 30] [--quick]
 
-Measured 2026-11-25 on this 2-core VM (`--rounds 5 --steps 30`, 10 min):
-
-    MLP 40x256, mixed_float16, batch 64         median ms   spread       ratio
-    kmp, flat buffers, stage 0                   69.7       68.5-75.8    1.00x
-    kmp, flat buffers, stage 1                   76.1       65.5-78.6    1.09x
-    stock Keras, Mirrored                        73.3       70.1-88.0    1.05x
-    stock Keras, one device, whole-step XLA      45.2       37.9-46.5    0.65x
-    whole fit() s: 2.77 | 3.00 | 2.80 | 2.59
-    bytes per device, optimizer state | flat copies:
-      stage 0  21,055,496 | 31,583,244      stage 1  21,055,496 | 21,055,500
-
-    4 x Dense(2048), float32, batch 16
-    kmp, flat buffers, stage 0                  346.0      339.4-414.5   1.00x
-    kmp, flat buffers, stage 1                  375.3      372.3-384.6   1.08x
-    stock Keras, Mirrored                       493.0      480.2-515.4   1.42x
-    stock Keras, one device, whole-step XLA      76.7       72.7-80.0    0.22x
-    whole fit() s: 21.02 | 20.99 | 15.79 | 2.38
-    bytes per device, optimizer state | flat copies:
-      stage 0 134,299,656 | 201,449,484     stage 1 134,299,656 | 134,299,660
-
-Again 2026-11-25, later (`--quick`: the MLP only, 3 rounds of 15 steps;
-this run's machine was slower throughout), with the 8-bit rows and
-Keras's copy of the state in host memory at stage 1 (kmp.engine.zero.to_host):
-
-    MLP 40x256, mixed_float16, batch 64         median ms   spread       ratio
-    kmp, flat buffers, stage 0                  103.8       93.0-109.8   1.00x
-    kmp, flat buffers, stage 1                  121.9      104.1-127.8   1.17x
-    kmp, 8-bit states, stage 0                  265.0      229.5-269.7   2.55x
-    kmp, 8-bit states, stage 1                  171.5      170.5-191.2   1.65x
-    stock Keras, Mirrored                       140.2      116.1-146.0   1.35x
-    stock Keras, one device, whole-step XLA      60.0       53.7-60.5    0.58x
-    whole fit() s: 2.83 | 2.93 | 5.55 | 3.93 | 2.91 | 0.99
-    bytes per device, optimizer state | flat copies (CPU:0 is also the host):
-      32-bit stage 0  CPU:0 21,055,496 | 31,583,244   CPU:1 21,055,496 | 31,583,244
-      32-bit stage 1  CPU:0 21,055,496 | 21,055,500   CPU:1          0 | 21,055,500
-      8-bit  stage 0  CPU:0  5,346,130 | 15,875,408   CPU:1  5,346,130 | 15,875,408
-      8-bit  stage 1  CPU:0  5,346,130 | 13,202,088   CPU:1          0 | 13,202,088
-
-The 8-bit update (dequantize, Adam, quantize by an 8-step search) is the
-larger part of its step, so there stage 1, which halves it, is faster than
-stage 0 (0.65x); for 32-bit states it is not.
-
-Stage 1 is 8-9% slower per step here (first run): on two logical devices that share
-two cores and one memory, the two replicas' updates already ran in
-parallel, and halving each costs a gather of the whole weights (kmp.engine.zero
-says which gathers were tried). The flat slots shrink by half; in the first
-run Keras's slot variables (the optimizer-state column) stayed whole on
-each replica, since then they are held once in host memory (docs/zero.md). The
-whole fit() of the larger model varies by several seconds between calls
-(11-21 s for the same 30 steps measured apart): its steady ms per step is
-the figure to compare.
+The latest figures are in benchmarks/RESULTS.md ("ZeRO stage 1"). What to
+expect on two logical devices that share two cores and one memory: the two
+replicas' updates already run in parallel, so halving each buys little and
+stage 1 adds a gather of the whole weights (kmp.engine.zero says which
+gathers were tried); the flat slots shrink by half, and Keras's copy of the
+state is held once in host memory (docs/zero.md). With 8-bit states the
+update is a larger part of the step, so halving it shows more. The whole
+fit() of the larger model varies by seconds between calls: compare its
+steady ms per step.
 """
 
 from __future__ import annotations
