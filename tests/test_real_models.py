@@ -72,8 +72,7 @@ _MEASURED = {}
 def _env():
     """A worker process's environment: this checkout's kmp and tests importable, TF's start-up lines off,
     and XLA's LLVM back end unoptimized: each program runs three or four steps, and the conv nets'
-    compile a third faster (MobileNetV3Small's group: 126 s of CPU instead of 191). kmp and stock
-    Keras are compiled alike; a level the caller sets is kept."""
+    compile about a third faster. kmp and stock Keras are compiled alike; a level the caller sets is kept."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
         flags = (flags + " --xla_backend_optimization_level=0").strip()
