@@ -9,6 +9,23 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+
+def _cheap_xla_compiles(flags: str) -> str:
+    """XLA_FLAGS that make XLA's CPU compiles about 3x cheaper, for this process and every child.
+
+    Each test's programs run a few steps, while a conv net's compile costs tens of seconds:
+    the LLVM back end unoptimized, and XLA's older loop emitters (its MLIR fusion emitters
+    take three times the CPU to compile at that level). Programs run 2-3x slower. kmp
+    and stock Keras are compiled alike; a setting the caller gives is kept.
+    """
+    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    return flags
+
+
+os.environ["XLA_FLAGS"] = _cheap_xla_compiles(os.environ.get("XLA_FLAGS", ""))
+
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -70,13 +70,9 @@ _MEASURED = {}
 
 
 def _env():
-    """A worker process's environment: this checkout's kmp and tests importable, TF's start-up lines off,
-    and XLA's LLVM back end unoptimized: each program runs three or four steps, and the conv nets'
-    compile about a third faster. kmp and stock Keras are compiled alike; a level the caller sets is kept."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        flags = (flags + " --xla_backend_optimization_level=0").strip()
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=flags,
+    """A worker process's environment: this checkout's kmp and tests importable, TF's start-up lines
+    off (XLA_FLAGS, for cheap compiles, comes from tests/conftest.py)."""
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
