@@ -140,7 +140,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
         # The forward/backward XLA functions, one per local replica: the flat-buffer
         # engine's (prepare's default), else kmp.engine.replica_step's.
         "flat_buffers": engine is not None,
-        "sharded": bool(engine and engine.buffers.sharded),
+        "sharded": bool(engine and engine.buffers.layout.sharded),
         "xla_per_replica": (len(vars(engine).get("_steps", {})) if engine
                             else len(kmp.engine.state.ensure(model).replica_steps)),
         "state": {
@@ -414,7 +414,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
     model.load_weights(os.path.join(one_device_dir, "epoch1.weights.h5"))
     history = model.fit(make_dataset(x, y), epochs=1, verbose=0, shuffle=False)
     out["resumed"] = {"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"],
-                      "sharded": kmp.engine.engine.engine_of(model).buffers.sharded,
+                      "sharded": kmp.engine.engine.engine_of(model).buffers.layout.sharded,
                       "state": {k: float(getattr(model.optimizer, k).numpy()) for k in
                                 ("dynamic_scale", "iterations", "overflows", "skipped_steps")}}
 
@@ -429,7 +429,7 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
         out["eight_bit"][name] = {
             "loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()],
             "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
-            "engine": None if engine is None else ("sharded" if engine.buffers.sharded else "whole"),
+            "engine": None if engine is None else ("sharded" if engine.buffers.layout.sharded else "whole"),
             "skipped_steps": int(model.optimizer.skipped_steps.numpy())}
     return out
 

@@ -169,7 +169,7 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
     plain, flat = runs[False], runs[True]
     buffers = engine.engine_of(flat).buffers
     # Each variable padded to whole blocks of 256: 6000 + 300 + 900 + 3 -> 6144 + 512 + 1024 + 256.
-    assert engine.engine_of(plain) is None and buffers.size == 7936 and buffers.sharded == (replicas == 2)
+    assert engine.engine_of(plain) is None and buffers.size == 7936 and buffers.layout.sharded == (replicas == 2)
     shard = {1: 7936, 2: 4096}[replicas]  # 31 blocks: 16 on each replica, the last one padded
     for name in ("momentum_codes", "velocity_codes", "momentum_scales", "velocity_scales"):
         components = strategy.experimental_local_results(buffers.buffers[name]) if strategy else [buffers.buffers[name]]
@@ -194,8 +194,10 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
             assert np.abs(a.astype(int) - b).max(initial=0) <= 1 and np.mean(a != b) <= 0.01
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5)
+    # A weight whose moment's code rounded the other way moves by a fraction of a step (3e-3) apart.
     for a, b in zip(plain.get_weights(), flat.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        apart = ~np.isclose(a, b, rtol=1e-5, atol=1e-7)
+        assert np.mean(apart) <= 0.01 and np.abs(a - b).max(initial=0) <= 3e-4, (np.mean(apart), np.abs(a - b).max())
     # kmp.memory_estimate counts what each replica holds, byte for byte: the flat weights padded, codes and scales sharded.
     estimate = kmp.memory_estimate(flat)
     # (On the two logical CPUs, replicas of one process, the weights are in shards too.)

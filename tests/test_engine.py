@@ -130,7 +130,7 @@ def test_replicas_of_one_process_share_the_step_and_every_replica_sees_the_resul
     if optimizer == "adam":
         # Each replica holds and steps its shard of the weights and slots (ZeRO stage 0 here):
         # 161 parameters in 176 (whole units of 16): two shards of 96, the second's last 31 padding.
-        assert buffers.sharded and buffers.weight_shards and not buffers.zero and not buffers.one_update
+        assert buffers.layout.name == "shared shards" and not buffers.layout.slots_on_host
         for name in ("weights", *buffers.slot_names):
             shards = [c.numpy() for c in local(buffers.buffers[name])]
             assert [s.shape for s in shards] == [(96,), (96,)] and all(s[:65].any() for s in shards), name
@@ -138,7 +138,7 @@ def test_replicas_of_one_process_share_the_step_and_every_replica_sees_the_resul
     else:
         # Lamb's trust ratio needs each variable whole: one update, on the first replica's
         # buffers; the second replica's weight and slot buffers are neither loaded nor stepped.
-        assert buffers.one_update and not buffers.sharded
+        assert buffers.layout.name == "first copy"
         for name in ("weights", *buffers.slot_names):
             first, second = local(buffers.buffers[name])
             assert first.numpy().any() and not second.numpy().any(), name
@@ -275,7 +275,7 @@ def test_gradients_written_in_place_are_the_joined_ones(one_epoch_on_one_device,
     monkeypatch.setattr(type(buffers), "_written_in_place",
                         lambda self, parts, real=type(buffers)._written_in_place: written.append(1) or real(self, parts))
     monkeypatch.setattr(buffers, "length", buffers.size + 32)  # as if sharded: zeros past the last variable
-    monkeypatch.setattr(buffers, "in_place", True)  # as on replicas that are CPUs of one process
+    monkeypatch.setattr(buffers.layout, "shares_cores", True)  # as on replicas that are CPUs of one process
     joined = tf.function(lambda: buffers.join(grads, scale))()
     monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 16)
     in_place = tf.function(lambda: buffers.join(grads, scale), jit_compile=True)()
@@ -295,7 +295,7 @@ def test_writing_gradients_in_place_trains_the_same(adam_on_two_replicas, two_re
     joined, _ = adam_on_two_replicas
     monkeypatch.setattr(kmp.engine.buffers, "IN_PLACE_FROM", 16)
     in_place, _ = _trained(True, two_replicas, "adam", callbacks=[_Recorder()], epochs=1)  # as the reference
-    assert engine.engine_of(in_place).buffers.in_place
+    assert engine.engine_of(in_place).buffers.layout.shares_cores
     _assert_close(_raw(joined), _raw(in_place), rtol=0, atol=0)
 
 
@@ -306,7 +306,7 @@ def test_one_device_joins_the_gradient(monkeypatch):
     monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "_written_in_place",
                         lambda self, parts: pytest.fail("written in place"))
     model, _ = _trained(True, epochs=1, jit_compile=True)
-    assert not engine.engine_of(model).buffers.in_place
+    assert not engine.engine_of(model).buffers.layout.shares_cores
 
 
 def test_a_callback_that_says_it_reads_no_weights_costs_no_copies():

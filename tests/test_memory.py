@@ -75,8 +75,8 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage)
     # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.engine.buffers).
     in_shards = replicas == 2 and bool(flat_buffers)
-    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.sharded == in_shards
-    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.zero == bool(stage)
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.layout.sharded == in_shards
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
     assert (engine.engine_of(model) is not None) == bool(flat_buffers)  # the path the case names ran
     estimate = kmp.memory_estimate(model)
     measured = kmp.measured_bytes(model)

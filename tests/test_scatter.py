@@ -142,7 +142,7 @@ SHARES_THE_MODEL = pytest.mark.xdist_group("scatter_sharded_model")
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_each_shards_flags_combine_to_the_whole_gradients(sharded_model, jit_compile):
     buffers = engine.engine_of(sharded_model).buffers
-    assert buffers.sharded and buffers.length == 2 * buffers.shard
+    assert buffers.layout.sharded and buffers.length == 2 * buffers.shard
     ends = np.cumsum(buffers.spans)
     # The last variable (buffer order) starts in the second shard, the first in the first.
     last = int(ends[-2])

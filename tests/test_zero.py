@@ -73,16 +73,16 @@ def test_stage_1_trains_as_stage_0(two_replicas, request, optimizer, epochs, wra
     # 6 steps an epoch, a step per window of accumulation.
     assert sharded.optimizer.iterations.numpy() == 6 * epochs // wrap_args.get("gradient_accumulation_steps", 1)
     buffers = engine.engine_of(sharded).buffers
-    assert buffers.zero and not engine.engine_of(whole).buffers.zero
+    assert buffers.layout.slots_on_host and not engine.engine_of(whole).buffers.layout.slots_on_host
     # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
-    assert buffers.sharded and engine.engine_of(whole).buffers.sharded
+    assert buffers.layout.sharded and engine.engine_of(whole).buffers.layout.sharded
     local = two_replicas.experimental_local_results
     # 161 parameters, padded to whole units of 16 elements (kmp.engine.buffers, ALIGN): 176,
     # and two shards of 96. In blocks of 8 (8-bit states) each variable is padded
     # to whole blocks first (168), then the same; one scale per block.
     size, shard = 176, 96
     # Replicas of one process (logical CPUs) hold the weights in shards too (kmp.engine.buffers, weight_shards).
-    assert buffers.weight_shards
+    assert buffers.layout.name == "shared shards"
     for name, variable in buffers.buffers.items():
         in_shards = name in buffers.slot_names or name == "weights"
         # The sums add up the flat gradient, zero padded to two whole shards (kmp.engine.buffers, `length`).
@@ -131,7 +131,7 @@ def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas, ei
             slot.assign(np.full(slot.shape, 200 if slot.dtype == "uint8" else 0.5, slot.dtype))
         initial = [np.array(v) for v in model.unused.weights + slots]
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.zero == bool(stage)
+        assert engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
         # Its weights and its slots (8-bit: codes and the scales of its blocks) as they were.
         for before, after in zip(initial, model.unused.weights + slots):
             np.testing.assert_array_equal(np.array(after), before)
@@ -159,7 +159,7 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_p
         with two_replicas.scope():
             model = keras.models.load_model(tmp_path / f"one_{stage}.keras")
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.zero == bool(stage)
+        assert engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
         continued.append(_raw(model))
     _assert_same(*continued)
 
@@ -189,7 +189,7 @@ def test_kmp_backup_resumes_exactly_at_stage_1(tmp_path, two_replicas, adam_accu
             model.fit(*_data(), batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
         except KeyboardInterrupt:
             return None
-        assert engine.engine_of(model).buffers.zero
+        assert engine.engine_of(model).buffers.layout.slots_on_host
         return _raw(model)
 
     keras.config.set_dtype_policy("float32")
@@ -304,4 +304,4 @@ def test_with_the_host_apart_from_the_replicas_each_replica_device_holds_half_th
 def test_one_device_has_one_shard(two_replicas):
     model, _ = _trained(True, None, "adam", epochs=1, wrap_args={"zero_stage": 1})
     buffers = engine.engine_of(model).buffers
-    assert not buffers.sharded and not buffers.zero and buffers.shard == buffers.size
+    assert not buffers.layout.sharded and not buffers.layout.slots_on_host and buffers.shard == buffers.size

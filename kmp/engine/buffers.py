@@ -17,13 +17,13 @@ the bytes.
 Replicas of one process on CPUs (MirroredStrategy on logical CPU devices)
 share its memory: there, at every ZeRO stage, each replica holds and steps
 its shard of the weights and slots in place, and every replica's forward
-pass reads all the weight shards (weight_shards). Elsewhere (GPUs, several
+pass reads all the weight shards. Elsewhere (GPUs, several
 workers) each replica steps its own copy, or at stage 1 its shard, gathered
 into every replica's whole weights (kmp.engine.zero). A replica that steps a
 shard receives only that shard of the summed gradient (kmp.distribute
 .scatter). Lamb, whose trust ratio needs each variable whole, steps once on
-those CPUs, on the first replica's buffers, which every replica reads
-(update_once).
+those CPUs, on the first replica's buffers, which every replica reads.
+Which of these a model gets is its layout (kmp.engine.layout), chosen once.
 
 Layout: the trainable variables (all float32: mixed precision keeps float32
 masters) in Keras's `model.trainable_variables` order, except that the ones
@@ -62,10 +62,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmp.distribute.communication import cpus_of_one_process
 from kmp.distribute.same_start import same_start
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import fused, replica_state, zero
+from kmp.engine import fused, layout, replica_state, zero
 from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
 from kmp.memory.estimate import ALIGN
 from kmp.scaling import overflow
@@ -160,34 +159,10 @@ class FlatBuffers:
         self.slot_names = tuple(slots)
         self.hyper = {name: getattr(inner, name) for name in HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
         self.replicas = self.strategy.num_replicas_in_sync
-        # ZeRO stage 1 (kmp.engine.zero): each replica keeps one of N equal shards of every slot buffer,
-        # and Keras's copy of the slots is held once, in host memory.
-        self.zero = getattr(optimizer, "zero_stage", 0) >= 1 and self.replicas > 1
-        # Replicas that are CPUs of this process share its memory: at any stage each holds its
-        # shard of the weights and slots, steps it in place, and every replica's forward pass
-        # reads all the weight shards (read_weights): no unused copies on the other replicas,
-        # and stage 0 and stage 1 take the same step. One update of whole buffers on the first
-        # replica's (update_once) can be a little faster, but stage 1 cannot step that way (one
-        # XLA computation cannot touch both devices' shards).
-        one_process = self.replicas > 1 and cpus_of_one_process(self.strategy)
-        self.sharded = self.zero or (one_process and not getattr(self.rule, "per_variable", False))
-        # Shards of whole units: vectorized updates, and no block of 8-bit states split between replicas.
-        self.shard = -(-self.size // (self.replicas * self.unit)) * self.unit if self.sharded else self.size
-        # The flat gradient (and the accumulation sums) padded with zeros to N whole shards, in
-        # the backward pass's XLA concatenate where it costs nothing: each replica's shard of it
-        # is then a slice. Padding the last replica's shard in its update instead copies it every step.
-        self.length = self.replicas * self.shard if self.sharded else self.size
-        # Other workers hold some shards: gathering them is a collective (kmp.engine.zero).
-        self.across_workers = self.sharded and len(self.strategy.extended.worker_devices) < self.replicas
+        self.layout = layout.choose(self, optimizer, self.strategy, getattr(self.rule, "per_variable", False))
+        # `length`: the flat gradient (and the accumulation sums), zero padded to N whole shards when sharded.
+        self.shard, self.length = self.layout.sizes(self.size, self.unit, self.replicas)
         self.gather_slots = None  # kmp.engine.zero.whole_shards's traced all-gather, under several workers
-        # Lamb on those CPUs: one update of whole buffers, on the first replica's, which the others read.
-        self.one_update = not self.sharded and one_process
-        self.weight_shards = self.sharded and one_process
-        # Each replica's XLA computations share the process's cores with the others': there the
-        # gradient is written in place (join), in loops XLA:CPU runs on one thread each.
-        self.in_place = one_process
-        # Elsewhere at stage 1 each replica's new shard is gathered into every replica's whole weights.
-        self.gathers = self.sharded and not self.weight_shards
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8 (8-bit codes).
@@ -212,23 +187,21 @@ class FlatBuffers:
     def place_slots(self, on_host: bool) -> None:
         """ZeRO stage 1: Keras's whole copy of the slots once in host memory, or (for Keras's own
         per-variable update) one per replica again (kmp.engine.zero). Stage 0: nothing moves."""
-        if self.zero:
+        if self.layout.slots_on_host:
             slots = [v for name in self.slot_names for v in self.mirrors[name]]
             zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy)
 
     # --- In a step (replica context) ---
 
     def local(self, name: str) -> tf.Variable:
-        """This replica's component of buffer `name` (a plain tf.Variable); with one update
-        (update_once), the first replica's, except for the replica's own accumulation sums."""
-        return self._first(self.buffers[name]) if self._first_only(name) else fused._local(self.buffers[name])
+        """This replica's component of buffer `name` (a plain tf.Variable); in the FirstCopy layout
+        the first replica's, except for the replica's own accumulation sums."""
+        return self._first(self.buffers[name]) if self.layout.first_only(name) else fused._local(self.buffers[name])
 
     def read_weights(self):
         """This replica's flat weights as its forward pass reads them (split takes either): a
-        tensor, or, with weight shards, every replica's shard (a tuple)."""
-        if not self.weight_shards:
-            return self.local("weights").read_value()
-        return tuple(w.read_value() for w in self.strategy.experimental_local_results(self.buffers["weights"]))
+        tensor, or, in the SharedShards layout, every replica's shard (a tuple)."""
+        return self.layout.read_weights()
 
     def split(self, flat) -> list:
         """`flat` (a tensor, or read_weights()'s shards) as one tensor per trainable variable, in
@@ -264,7 +237,7 @@ class FlatBuffers:
         # embedding's IndexedSlices made dense, keras-hub's transformers).
         parts = [None if grads[i] is None else tf.reshape(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
                  for i, n in zip(self.order, self.sizes)]
-        if overflow.in_xla() and self.in_place and max(self.sizes) >= IN_PLACE_FROM:
+        if overflow.in_xla() and self.layout.shares_cores and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
         return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
 
@@ -335,22 +308,19 @@ class FlatBuffers:
     def update(self, grad, clip_scale, learning_rate) -> None:
         """The optimizer's step on this replica's buffers: one XLA computation (replica context).
         `grad` is the reduced gradient: whole, or this replica's shard of it when the buffers are
-        sharded (kmp.distribute.scatter).
+        sharded (kmp.distribute.scatter). Returns the new shard in the GatheredShards layout.
 
         The caller checks the gradient and skips this when it is not finite.
         Moving the check inside, as a select of the old or new weights and
         slots (or an XLA conditional), is slower: XLA then copies every
         buffer instead of updating it in place.
         """
-        self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
+        return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
 
     def update_once(self, finite, grad, clip_scale, learning_rate) -> None:
-        """Lamb on replicas of one process (`one_update`): the step once, on the first replica's
+        """Lamb on replicas of one process (the FirstCopy layout): the step once, on the first replica's
         buffers, if `finite` (replica context). Every replica reads the first's weights
         (`local`), as memory this process shares; the others' weight and slot buffers are unused.
-
-        Each replica updating its own copy, as on GPUs, makes the updates
-        contend for the same cores and memory.
         """
         tf.distribute.get_replica_context().merge_call(
             self._update_first, args=(finite, grad, clip_scale, learning_rate))
@@ -365,15 +335,6 @@ class FlatBuffers:
             tf.cond(finite, lambda: update(*self._update_args(grad, clip_scale, learning_rate)) or tf.no_op(),
                     tf.no_op)
 
-    def update_shard(self, grad, clip_scale, learning_rate) -> tf.Tensor:
-        """ZeRO stage 1: the step on this replica's shard of the weights, given its shard of the
-        reduced gradient; returns the new shard (kmp.engine.zero.gather spreads it)."""
-        return self._compiled_update()(*self._update_args(grad, clip_scale, learning_rate))
-
-    def weight_shard(self) -> tf.Tensor:
-        """This replica's shard of its weights, as update_shard returns it (zero padded at the end)."""
-        return self._shard_of(self.local("weights").read_value())
-
     def _update_args(self, grad, clip_scale, learning_rate) -> list:
         args = [grad, tf.cast(learning_rate, tf.float32)]
         return args if clip_scale is None else args + [clip_scale]
@@ -384,7 +345,7 @@ class FlatBuffers:
         if replica not in self._updates:
             iterations = _tf_variable(self.inner._iterations)
             # With one update, called in cross-replica context (update_once): the first replica's.
-            iterations = self._first(iterations) if self.one_update else fused._local(iterations)
+            iterations = self._first(iterations) if self.layout.first_only("iterations") else fused._local(iterations)
             self._updates[replica] = tf.function(
                 functools.partial(self._update, self.local("weights"), tuple(self.local(n) for n in self.slot_names),
                                   iterations, self._offset(replica)),
@@ -393,9 +354,9 @@ class FlatBuffers:
 
     def _offset(self, replica) -> int:
         """Where this replica's shard starts in the buffer (0 when not sharded)."""
-        return replica[1] * self.shard if self.sharded else 0
+        return self.layout.offset(replica[1])
 
-    def _shard_of(self, flat, offset=None, name="weights"):
+    def shard_of(self, flat, offset=None, name="weights"):
         """This replica's [offset, offset + shard) of a whole buffer `name`, zeros past its end."""
         offset = self._offset(fused._replica()[0]) if offset is None else offset
         start, length = self._length(name, offset), self._length(name, self.shard)
@@ -419,9 +380,7 @@ class FlatBuffers:
         if getattr(self.rule, "per_variable", False):
             s["segments"] = fused._local(self.segment_ids).read_value()
             s["count"] = len(self.sizes)
-        value = old = weights.read_value()
-        if self.gathers:  # the whole weights held, this replica's shard stepped
-            value = old = self._shard_of(value, offset)
+        value = old = self.layout.stepped(weights, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
         index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer
@@ -439,10 +398,7 @@ class FlatBuffers:
         else:
             new = self.rule.update(s, h, value, grad, slots)
         iterations.assign_add(1)
-        if self.gathers:
-            return new  # kmp.engine.zero.gather writes every replica's into the whole weights
-        weights.assign(new)
-        return None
+        return self.layout.write(weights, new)
 
     def _updated_mask(self, index):
         """True on the elements (at buffer positions `index`) of variables that got a gradient.
@@ -482,9 +438,8 @@ class FlatBuffers:
         self._copy("store", tuple(self.buffers) if names is None else tuple(names))
 
     def is_shard(self, name: str) -> bool:
-        """Whether each replica holds only its shard of buffer `name`: the slots when sharded
-        (stage 1, or replicas that are CPUs of one process), and the weights too with weight shards."""
-        return self.sharded and (name in self.slot_names or (name == "weights" and self.weight_shards))
+        """Whether each replica holds only its shard of buffer `name` (kmp.engine.layout)."""
+        return self.layout.holds_shard(name)
 
     def store_weights_here(self) -> None:
         """Buffers -> this replica's Keras weights (in a step: an overflowing step's diagnosis reads them)."""
@@ -535,14 +490,14 @@ class FlatBuffers:
         for k, replica in enumerate(self._replica_ids()):
             buffers = {}
             for n in names:
-                # With one update (update_once) only the first replica's weights and slots are
-                # used: the others' are not loaded, and every replica is stored from the first's.
-                # A buffer gathered whole is stored once into Keras's one host copy (the slots,
+                # In the FirstCopy layout only the first replica's weights and slots are used: the
+                # others' are not loaded, and every replica is stored from the first's. A buffer
+                # gathered whole is stored once into Keras's one host copy (the slots,
                 # kmp.engine.zero), and into each replica's Keras variables otherwise (weight shards).
-                if k and ((n in whole and zero.on_host(self.mirrors[n][0]))
-                          or (direction == "load" and self._first_only(n))):
+                first_only = self.layout.first_only(n)
+                if k and ((n in whole and zero.on_host(self.mirrors[n][0])) or (direction == "load" and first_only)):
                     continue
-                buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if self._first_only(n) else k]
+                buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if first_only else k]
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 copy(buffers, mirrors, replica * self.shard)
@@ -551,15 +506,11 @@ class FlatBuffers:
         """The first replica's component of a distributed variable or value."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def _first_only(self, name: str) -> bool:
-        """Whether only the first replica's buffer `name` is current (one update: all but the sums)."""
-        return self.one_update and name != "sums"
-
     def _replica_ids(self) -> list[int]:
         """Each local replica's index among all replicas (its shard's), in local order."""
         if "_ids" not in self.__dict__:
             local = len(self.strategy.experimental_local_results(self.buffers["weights"]))
-            self._ids = ([int(i) for i in replica_state.replica_ids(self.strategy)] if self.across_workers
+            self._ids = ([int(i) for i in replica_state.replica_ids(self.strategy)] if self.layout.across_workers
                          else list(range(local)))
         return self._ids
 
@@ -567,7 +518,7 @@ class FlatBuffers:
         for name, buffer in buffers.items():
             # value(), and assign without reading back: no Identity, no read, per variable (eagerly, each op counts).
             flat = self._joined(name, [v.value() for v in mirrors[name]])
-            buffer.assign(self._shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]),
+            buffer.assign(self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]),
                           read_value=False)
 
     def _store_component(self, buffers, mirrors, offset):

@@ -135,7 +135,7 @@ class Engine:
         at stage 1, all but the sharded state (no collective: see the module docstring)."""
         if self.state not in (FLAT, STATE):
             return
-        partial = not state and self.buffers.across_workers
+        partial = not state and self.buffers.layout.across_workers
         names = [n for n in self.buffers.buffers
                  if (self.state == FLAT or self.buffers.is_shard(n)) and not (partial and self.buffers.is_shard(n))]
         self.buffers.store(names)

@@ -27,7 +27,7 @@ the bytes), so here the shards are concatenated once and each device's
 weights assigned (benchmarks/zero_stage1.py compares the stages). Where
 those devices are CPUs (one memory) nothing is gathered at all: each replica
 holds its shard of the weights and the forward passes read every shard
-(kmp.engine.buffers, `weight_shards`). Under MultiWorkerMirroredStrategy the other
+(the SharedShards layout, kmp.engine.layout). Under MultiWorkerMirroredStrategy the other
 workers' shards are elsewhere: `all_gather` is there a collective all-gather
 of the equal shards.
 
@@ -66,7 +66,7 @@ def host(strategy) -> str:
 def gather(buffers, shard) -> None:
     """Every replica's new `shard` (padded to buffers.shard) into every replica's whole weights."""
     context = tf.distribute.get_replica_context()
-    if buffers.across_workers:
+    if buffers.layout.across_workers:
         buffers.local("weights").assign(context.all_gather(shard, axis=0)[:buffers.size])
     else:
         context.merge_call(_gather, args=(buffers, shard))
@@ -86,7 +86,7 @@ def whole_shards(buffers) -> dict:
     at the same point (see the module docstring), traced once.
     """
     local = buffers.strategy.experimental_local_results
-    if not buffers.across_workers:
+    if not buffers.layout.across_workers:
         return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0)
                 for n in buffers.buffers if buffers.is_shard(n)}
     if buffers.gather_slots is None:

@@ -46,16 +46,14 @@ from keras import ops
 
 from kmp import seams, values
 from kmp.config.settings import LossScaleConfig, attempt, communication_of
-from kmp.distribute.communication import chunks, reduce_mean
-from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
-from kmp.engine import replica_state, wall_clock, zero
+from kmp.distribute.communication import reduce_mean
+from kmp.engine import replica_state, wall_clock
 from kmp.engine.fused import fused_apply, fused_step
 from kmp.errors import Problem, check, did_you_mean
 from kmp.scaling import overflow
 from kmp.scaling import state as loss_scale
 from kmp.scaling.accumulate import Accumulation
-from kmp.scaling.gradients import (all_finite, clip_scale, finite_flags, global_clip_scale, norm_of_parts, norm_parts,
-                                   typed_where, unscale)
+from kmp.scaling.gradients import finite_flags, global_clip_scale, typed_where, unscale
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 # The loss-scale keywords' defaults: LossScaleConfig's, written once there.
@@ -235,58 +233,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
         grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
         weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
-        if self.accumulation is None:
-            self._effective_step(grads, trainable_variables, None, weight)
-        else:
-            _maybe_merge_call(self._micro_step, grads, trainable_variables, weight)
-
-    def _micro_step(self, strategy, grads, trainable_variables, weight):
-        # The window is the same on every replica. Where merge_call is used
-        # (CPU/GPU Mirrored) this runs in cross-replica context, so the
-        # collective in the closing branch is not built inside a replica-context
-        # cond (Keras's own accumulation does that, and crashes).
-        ops.cond(
-            self.accumulation.closes(),
-            lambda: _each_replica(strategy, self._close_window, grads, trainable_variables, weight),
-            lambda: _each_replica(strategy, self.accumulation.add, grads, weight),
-        )
-
-    def _close_window(self, grads, trainable_variables, weight):
-        totals, count, weight = self.accumulation.close(grads, weight)
-        self._effective_step(totals, trainable_variables, count, weight)
-
-    def _effective_step(self, grads, trainable_variables, count, weight):
-        """All-reduce once, clip, check, apply if finite, move the scale (replica context)."""
-        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        # The values float8 layers overwrite (amax history, scales) arrive as
-        # their "gradients" and stay each replica's own, as in Keras: they are
-        # not summed, averaged or clipped.
-        own = [self._overwrite_variable_with_gradient(v) for v in variables]
-        shared = reduce_mean([None if o else g for g, o in zip(grads, own)], self.communication,
-                             self.dynamic_scale.value, count, weight)
-        grads = [g if o else r for g, r, o in zip(grads, shared, own)]
-        wall_clock.stamp("reduced", shared)
-        flags = finite_flags(grads)  # which variables overflowed, for the log line
-        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-        clip = None
-        if self.gradient_clipping is not None:
-            clip = global_clip_scale([g for g, o in zip(grads, own) if not o], self.gradient_clipping)
-            finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
-        wall_clock.stamp("checked", [finite, clip])
-        step, _ = fused_step(self.inner_optimizer, grads, trainable_variables) if self.fused else (None, None)
-        if step is not None:
-            # The fused update and the state variables (aggregation "none":
-            # each replica writes its own copy) need no cross-replica context,
-            # and every replica takes the same branch from the same gradients.
-            ops.cond(finite, lambda: step(grads, clip), lambda: None)
-            wall_clock.stamp("updated", variables[:1])
-            self._adjust(finite, flags, variables)
-            wall_clock.stamp("adjusted", self.skipped_steps)
-        else:
-            if clip is not None:
-                grads = [g if o or g is None else g * clip for g, o in zip(grads, own)]
-            _maybe_merge_call(self._apply_if_finite, grads, trainable_variables, finite, flags)
-            wall_clock.stamp("updated", [self.skipped_steps, *variables[:1]])  # the loss-scale move too
+        self._step(grads, _PerVariable(self, variables, trainable_variables), weight)
 
     def apply_flat(self, grad, buffers) -> None:
         """One (micro-)step on flat buffers (kmp.engine.buffers): `grad` is this replica's
@@ -297,87 +244,53 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         XLA computation if finite.
         """
         wall_clock.stamp("gradients", grad)
-        if self.accumulation is None:
-            self._flat_effective_step(grad, buffers, None)
-        else:
-            _maybe_merge_call(self._flat_micro_step, grad, buffers)
+        self._step([grad], buffers.layout, None)
 
-    def _flat_micro_step(self, strategy, grad, buffers):
-        # As _micro_step, on the one flat sum.
+    def _step(self, grads, layout, weight):
+        """One (micro-)step of `grads` (unscaled float32) in `layout`: _PerVariable, or the flat
+        buffers' (kmp.engine.layout)."""
+        if self.accumulation is None:
+            self._effective_step(grads, layout, None, weight)
+        else:
+            _maybe_merge_call(self._micro_step, grads, layout, weight)
+
+    def _micro_step(self, strategy, grads, layout, weight):
+        # The window is the same on every replica. Where merge_call is used
+        # (CPU/GPU Mirrored) this runs in cross-replica context, so the
+        # collective in the closing branch is not built inside a replica-context
+        # cond (Keras's own accumulation does that, and crashes).
+        if isinstance(layout, tf.distribute.DistributedValues):  # each replica's _PerVariable, all alike
+            layout = strategy.experimental_local_results(layout)[0]
         ops.cond(
             self.accumulation.closes(),
-            lambda: _each_replica(strategy, self._flat_close_window, grad, buffers),
-            lambda: _each_replica(strategy, lambda g: self.accumulation.add([g], sums=[buffers.local("sums")]), grad),
+            lambda: _each_replica(strategy, self._close_window, grads, layout, weight),
+            lambda: _each_replica(strategy, lambda g, w: self.accumulation.add(g, w, sums=layout.sums()), grads,
+                                  weight),
         )
 
-    def _flat_close_window(self, grad, buffers):
-        (total,), count, _ = self.accumulation.close([grad], sums=[buffers.local("sums")])
-        self._flat_effective_step(total, buffers, count)
+    def _close_window(self, grads, layout, weight):
+        totals, count, weight = self.accumulation.close(grads, weight, sums=layout.sums())
+        self._effective_step(totals, layout, count, weight)
 
-    def _flat_effective_step(self, grad, buffers, count):
-        flags = None
-        if buffers.sharded:  # each replica steps its shard: it needs the sum of that shard only
-            grad = reduce_scatter_mean(grad, buffers.shard, self.communication, self.dynamic_scale.value, count)
-            wall_clock.stamp("reduced", grad)
-            finite, clip, flags = self._shard_check(grad, buffers)
-        else:
-            reduced = reduce_mean(chunks(grad, self.communication), self.communication, self.dynamic_scale.value,
-                                  count)
-            grad = reduced[0] if len(reduced) == 1 else tf.concat(reduced, axis=0)
-            wall_clock.stamp("reduced", grad)
-            finite = all_finite(grad)
-            clip = None
-            if self.gradient_clipping is not None:
-                clip = global_clip_scale([grad], self.gradient_clipping)
-                finite = finite & tf.math.is_finite(clip)
-        learning_rate = self.inner_optimizer._get_current_learning_rate()
+    def _effective_step(self, grads, layout, count, weight):
+        """All-reduce once, check, clip, apply if finite, move the scale (replica context)."""
+        grads = layout.reduce(self, grads, count, weight)
+        wall_clock.stamp("reduced", grads)
+        finite, clip, flags = layout.check(self, grads)
         wall_clock.stamp("checked", [finite, clip])
-        if buffers.gathers:  # ZeRO stage 1: this replica updates its shard; every replica gets every shard
-            new = ops.cond(finite, lambda: buffers.update_shard(grad, clip, learning_rate), buffers.weight_shard)
-            zero.gather(buffers, new)
-        elif buffers.one_update:  # Lamb on replicas of one process: the first's buffers, updated once, read by all
-            buffers.update_once(finite, grad, clip, learning_rate)
-        else:  # each replica its own buffers; with weight shards (replicas of one process), its shard of each
-            ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate), lambda: None)
-        wall_clock.stamp("updated", buffers.local("weights"))
-        variables = self._trainable_variables
-        if flags is None:
-            # Which variables overflowed, for the log line: computed on an overflow only.
-            flags = tf.cond(finite, lambda: tf.ones([len(variables)], tf.bool), lambda: buffers.segment_finite(grad))
-        self._adjust(finite, flags, variables)  # one vector: no op per variable on a clean step
+        layout.update(self, grads, finite, clip)
+        wall_clock.stamp("updated", layout.updated())
+        self._adjust(finite, flags, layout.variables)  # flags: a vector on the flat path, no op per variable
         wall_clock.stamp("adjusted", self.skipped_steps)
 
-    def _shard_check(self, shard, buffers):
-        """(finite, clip factor or None, per-variable finite flags) of the whole reduced gradient,
-        from this replica's `shard` of it: each replica checks its own shard, and every replica
-        gets every shard's few numbers (whether finite, norm_parts, its flags), so all decide alike."""
-        finite_here = all_finite(shard)
-        count = len(buffers.sizes)
-        # Which variables hold the inf or nan: computed on the shard that has one only.
-        flags = tf.cond(finite_here, lambda: tf.ones([count], tf.bool),
-                        lambda: buffers.segment_finite(shard, buffers.shard_offset()))
-        numbers = [tf.cast(finite_here, tf.float32)[None]]
-        if self.gradient_clipping is not None:
-            numbers += [n[None] for n in norm_parts(shard)]
-        rows = gather_rows(tf.concat(numbers + [tf.cast(flags, tf.float32)], axis=0))
-        finite = tf.reduce_all(rows[:, 0] > 0)
-        clip = None
-        if self.gradient_clipping is not None:
-            clip = clip_scale(norm_of_parts(rows[:, 1], rows[:, 2]), self.gradient_clipping)
-            finite = finite & tf.math.is_finite(clip)
-        return finite, clip, tf.reduce_all(rows[:, len(numbers):] > 0, axis=0)
-
-    def _apply_if_finite(self, strategy, grads, trainable_variables, finite, flags):
+    def _apply_if_finite(self, strategy, grads, trainable_variables, finite):
         # Every replica computed `finite` from the same reduced gradients. A
         # cond whose branch calls merge_call (as Keras's update does) must be
         # built in cross-replica context under MirroredStrategy.
         finite = strategy.experimental_local_results(finite)[0]
-        flags = [strategy.experimental_local_results(f)[0] for f in flags]
         ops.cond(
             finite, lambda: _each_replica(strategy, self._apply_inner, grads, trainable_variables), lambda: None
         )
-        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-        self._adjust(finite, flags, variables)
 
     def _apply_inner(self, grads, trainable_variables):
         """The inner optimizer's update of already all-reduced, unscaled gradients."""
@@ -483,6 +396,49 @@ def own_clipping(optimizer) -> dict:
     """The clipping a Keras optimizer does itself: {"clipnorm" | "clipvalue" | "global_clipnorm": value}."""
     names = ("clipnorm", "clipvalue", "global_clipnorm")
     return {k: getattr(optimizer, k) for k in names if getattr(optimizer, k) is not None}
+
+
+class _PerVariable:
+    """The per-variable path's layout (kmp.engine.layout has the flat buffers'): each replica's own Keras
+    variables, stepped by kmp.engine.fused or by the inner optimizer's update."""
+
+    def __init__(self, optimizer, variables, given):
+        self.variables, self.given = variables, given  # `given`: apply()'s trainable_variables (None: built ones)
+        # The values float8 layers overwrite (amax history, scales) arrive as
+        # their "gradients" and stay each replica's own, as in Keras: they are
+        # not summed, averaged or clipped.
+        self.own = [optimizer._overwrite_variable_with_gradient(v) for v in variables]
+
+    def sums(self):
+        return None  # the accumulation's own, one per variable
+
+    def reduce(self, optimizer, grads, count, weight=None):
+        shared = reduce_mean([None if o else g for g, o in zip(grads, self.own)], optimizer.communication,
+                             optimizer.dynamic_scale.value, count, weight)
+        return [g if o else r for g, r, o in zip(grads, shared, self.own)]
+
+    def check(self, optimizer, grads):
+        flags = finite_flags(grads)  # which variables overflowed, for the log line
+        finite, clip = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True), None
+        if optimizer.gradient_clipping is not None:
+            clip = global_clip_scale([g for g, o in zip(grads, self.own) if not o], optimizer.gradient_clipping)
+            finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
+        return finite, clip, flags
+
+    def update(self, optimizer, grads, finite, clip) -> None:
+        step, _ = fused_step(optimizer.inner_optimizer, grads, self.given) if optimizer.fused else (None, None)
+        if step is not None:
+            # The fused update and the state variables (aggregation "none":
+            # each replica writes its own copy) need no cross-replica context,
+            # and every replica takes the same branch from the same gradients.
+            ops.cond(finite, lambda: step(grads, clip), lambda: None)
+            return
+        if clip is not None:
+            grads = [g if o or g is None else g * clip for g, o in zip(grads, self.own)]
+        _maybe_merge_call(optimizer._apply_if_finite, grads, self.given, finite)
+
+    def updated(self):
+        return self.variables[:1]
 
 
 def _maybe_merge_call(fn, *args):
