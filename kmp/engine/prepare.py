@@ -15,6 +15,7 @@ so that an overflow names the layer whose forward output overflowed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -210,72 +211,95 @@ def _make_function_prepared(self, step_function):
     return _falling_back(self, step_function)
 
 
-def _build_function(self, step_function):
-    setting = state.setting(self, "jit_compile")
-    dropped = replica_step.path_of(self)["dropped"]
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one train function is made of, decided once per build (_plan)."""
+
+    step: object          # the per-replica step: Keras's, the model's own, kmp.engine.replica_step's or the engine's
+    engine: object        # the flat buffers' engine (kmp.engine.engine.Engine), or None: per-variable update
+    stock: bool           # Keras's own train_step (a model's own is kept, on the per-variable path)
+    kmp_step: bool        # kmp's step (the engine's or kmp.engine.replica_step's), not Keras's
+    whole_step_xla: bool  # Keras's jit_compile: the whole step one XLA computation (one device only)
+    replica_xla: bool     # kmp's step, its forward/backward compiled per replica
+    finder: bool          # the overflow-layer finder wraps the step
+    every: int            # the wall-clock breakdown's lines every `every` steps (0: off)
+    timed_apart: bool     # timed on one device: compiled in parts, as under a strategy
+
+
+def _plan(model, step_function) -> _Plan:
+    setting = state.setting(model, "jit_compile")
+    dropped = replica_step.path_of(model)["dropped"]
     if XLA in dropped:
         setting = False
-    several = self.distribute_strategy.num_replicas_in_sync > 1
+    several = model.distribute_strategy.num_replicas_in_sync > 1
     # Only Keras's own train_step is swapped: a model's custom one is kept.
-    stock_train_step = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
-    every = wall_clock.interval(_breakdown_setting(self))
-    xla = (setting is True or bool(self.jit_compile) and XLA not in dropped) and not self.run_eagerly
+    stock = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
+    every = wall_clock.interval(_breakdown_setting(model))
+    xla = (setting is True or bool(model.jit_compile) and XLA not in dropped) and not model.run_eagerly
     # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
     timed_apart = bool(every) and xla and not several
-    if stock_train_step and (replica_step.wants_replica_xla(self, setting) or timed_apart):
+    if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart):
         # A new train function (after compile(), a new prepare(), frozen
         # layers) traces new XLA functions: a cached one holds the old loss,
         # metrics and trainable variables.
-        replica_step.forget(self)
-        step_function = functools.partial(replica_step.train_step, self)
-    if not stock_train_step:
-        buffers = _no_engine(self, "the model has its own train_step")
+        replica_step.forget(model)
+        step_function = functools.partial(replica_step.train_step, model)
+    if not stock:
+        flat_engine = _no_engine(model, "the model has its own train_step")
     elif FLAT in dropped:
-        buffers = _no_engine(self, None)  # said when it was dropped
+        flat_engine = _no_engine(model, None)  # said when it was dropped
     else:
-        buffers = _engine_for(self)
-    if buffers is not None:
-        replica_step.forget(self)
-        step_function = buffers.train_step
-    # Read before the finder wraps the step: its wrapper hides the partial's `.func`.
-    kmp_step = buffers is not None or getattr(step_function, "func", None) is replica_step.train_step
-    replica_xla = kmp_step and (buffers is None or buffers.xla)
+        flat_engine = _engine_for(model)
+    if flat_engine is not None:
+        replica_step.forget(model)
+        step_function = flat_engine.train_step
+    kmp_step = flat_engine is not None or getattr(step_function, "func", None) is replica_step.train_step
     # A custom train_step may not call the model on x as Keras's does: left as it is.
-    if (stock_train_step and state.setting(self, "find_overflow_layer") and FINDER not in dropped
-            and overflow_layer.can_diagnose(self)):
+    finder = (stock and bool(state.setting(model, "find_overflow_layer")) and FINDER not in dropped
+              and overflow_layer.can_diagnose(model))
+    # Keras's jit_compile puts the whole distributed step in one XLA
+    # computation, which fails with several replicas.
+    return _Plan(step=step_function, engine=flat_engine, stock=stock, kmp_step=kmp_step,
+                 whole_step_xla=xla and not several and not timed_apart,
+                 replica_xla=kmp_step and (flat_engine is None or flat_engine.xla), finder=finder, every=every,
+                 timed_apart=timed_apart)
+
+
+def _build_function(self, step_function):
+    plan = _plan(self, step_function)
+    step_function = plan.step
+    if plan.finder:
         step_function = overflow_layer.diagnosing_step(self, step_function)
+    if plan.every:
+        step_function = wall_clock.timed_step(step_function)
     # Under MultiWorkerMirroredStrategy, Keras reduces each step's outputs
     # (the logs) with strategy.reduce("MEAN", v, axis=0), which fails for
     # scalars and averages a vector's entries. With a leading axis of 1 per
     # replica, that same reduce is the mean over replicas, shape unchanged.
-    if every:
-        step_function = wall_clock.timed_step(step_function)
     if seams.get("collective_all_reduce_multi_worker")(self.distribute_strategy):
         step_function = _with_replica_axis(step_function)
-    # Keras's jit_compile puts the whole distributed step in one XLA
-    # computation, which fails with several replicas.
-    whole_step_xla = xla and not several and not timed_apart
-    saved, self._jit_compile = self._jit_compile, whole_step_xla
+    saved, self._jit_compile = self._jit_compile, plan.whole_step_xla
     try:
         function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
     if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
         function = _multi_step_function(self, step_function, function)
-    if buffers is not None:
-        function = _around_steps(buffers, function)
-    if every:
-        function = _timed(self, every, timed_apart, kmp_step, function)
-    if stock_train_step:
-        xla_part = "whole-step XLA" if whole_step_xla else "XLA per replica" if replica_xla else "no XLA"
-        finder = FINDER not in dropped and state.setting(self, "find_overflow_layer") and \
-            overflow_layer.can_diagnose(self)
-        replica_step.path_of(self)["taken"] = ", ".join(
-            ["flat buffers" if buffers is not None else "per-variable update", xla_part]
-            + (["overflow-layer finder"] if finder else []))
-    else:
-        replica_step.path_of(self)["taken"] = "the model's own train_step, per-variable update"
+    if plan.engine is not None:
+        function = _around_steps(plan.engine, function)
+    if plan.every:
+        function = _timed(self, plan, function)
+    replica_step.path_of(self)["taken"] = _path_taken(plan)
     return overflow.raising_loss_scale_errors(function)
+
+
+def _path_taken(plan: _Plan) -> str:
+    """The path a train function takes, as kmp.engine.replica_step.describe_path says it."""
+    if not plan.stock:
+        return "the model's own train_step, per-variable update"
+    xla = "whole-step XLA" if plan.whole_step_xla else "XLA per replica" if plan.replica_xla else "no XLA"
+    return ", ".join(["flat buffers" if plan.engine is not None else "per-variable update", xla]
+                     + (["overflow-layer finder"] if plan.finder else []))
 
 
 _FALLBACK_ORDER = (FLAT, FINDER, XLA)
@@ -378,11 +402,11 @@ def _breakdown_setting(model):
     return setting
 
 
-def _timed(model, every, timed_apart, kmp_step, function):
+def _timed(model, plan: _Plan, function):
     """`function` timed by kmp.engine.wall_clock, with what it cannot cut on this model said once."""
     strategy = model.distribute_strategy
     notes = []
-    if timed_apart:
+    if plan.timed_apart:
         notes.append("the step is not compiled as one XLA computation while timed (its forward/backward and "
                      "update are); its total with the breakdown off is the one to compare")
     if is_tpu_strategy(strategy):
@@ -391,7 +415,7 @@ def _timed(model, every, timed_apart, kmp_step, function):
         notes.append("with gradient accumulation the all-reduce, loss scale and update run inside the window's "
                      "branch and count in other")
     kmp_optimizer = hasattr(model.optimizer, "apply_flat")  # kmp.LossScaleOptimizer's
-    if not kmp_step and not kmp_optimizer:
+    if not plan.kmp_step and not kmp_optimizer:
         notes.append("Keras's own train step (no XLA here) with a Keras optimizer: fwd_bwd and step are not "
                      "separated and count in other (kmp.wrap gives kmp's optimizer under fp16, a strategy or "
                      "accumulation)")
@@ -404,7 +428,7 @@ def _timed(model, every, timed_apart, kmp_step, function):
     chief = bool(strategy.extended.should_checkpoint)
     if chief and notes:
         print("kmp: wall-clock breakdown: " + "; ".join(notes) + ".", flush=True)
-    return wall_clock.Breakdown(every, steps, chief)(function)
+    return wall_clock.Breakdown(plan.every, steps, chief)(function)
 
 
 def flat_reason(model) -> str | None:
@@ -469,13 +493,13 @@ def _no_engine(model, reason: str | None) -> None:
 AUTO_MEAN_PARAMETERS = 65_536
 
 
-def _around_steps(buffers, function):
+def _around_steps(flat_engine, function):
     def call(iterator):
-        buffers.before_step()
+        flat_engine.before_step()
         try:
             return function(iterator)
         finally:
-            buffers.stepped()
+            flat_engine.stepped()
 
     call.__wrapped__ = function
     return call
