@@ -5,11 +5,11 @@
     rows = gather_rows(vector)
         # every replica's small vector, stacked in replica order: [N, length], on every replica
 
-Used where each replica updates its shard of the flat buffers (kmp.engine.buffers's
-`sharded`: ZeRO stage 1, and replicas that are CPUs of one process at any
+Used where each replica updates its shard of the flat buffers (kmp.engine.layout's
+sharded layouts: ZeRO stage 1, and replicas that are CPUs of one process at any
 stage): a replica then needs only its shard of the summed gradient, and the
 overflow decision, the clip norm and the names of overflowing variables are
-a few numbers per shard (kmp.scaling.optimizer's `_shard_check`).
+a few numbers per shard (kmp.engine.layout, `_Shards.check`).
 
 How the shards are summed, by where the replicas are:
 

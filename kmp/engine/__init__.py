@@ -1,6 +1,7 @@
 """kmp.engine: the flat-buffer training engine and kmp.prepare's fit().
 
     buffers.py         the flat buffers: one variable per dtype for weights, gradients and slots
+    layout.py          how the replicas hold and step them (whole, in shards, one copy), chosen once
     rules.py           the optimizers' update rules on flat buffers
     fused.py           the fused per-variable update
     zero.py            ZeRO stage 1: optimizer state placed on host or sharded
