@@ -162,7 +162,6 @@ class FlatBuffers:
         self.layout = layout.choose(self, optimizer, self.strategy, getattr(self.rule, "per_variable", False))
         # `length`: the flat gradient (and the accumulation sums), zero padded to N whole shards when sharded.
         self.shard, self.length = self.layout.sizes(self.size, self.unit, self.replicas)
-        self.gather_slots = None  # kmp.engine.zero.whole_shards's traced all-gather, under several workers
         self.place_slots(on_host=True)
         dtypes = getattr(self.rule, "dtypes", {})
         # Zeros on every worker: made without MultiWorkerMirrored's broadcast, which takes no uint8 (8-bit codes).

@@ -215,6 +215,16 @@ class GatheredShards(_Shards):
     def __init__(self, buffers, across_workers: bool):
         super().__init__(buffers)
         self.across_workers = across_workers
+        self._gather_slots = None  # traced once
+
+    def gathered_slots(self) -> dict:
+        """Under several workers, each slot buffer whole: an all-gather every worker must join."""
+        buffers = self.buffers
+        if self._gather_slots is None:
+            self._gather_slots = tf.function(lambda: buffers.strategy.run(zero.all_gather_slots, args=(buffers,)),
+                                             autograph=False)
+        local = buffers.strategy.experimental_local_results
+        return {n: local(t)[0] for n, t in self._gather_slots().items()}
 
     def stepped(self, weights, offset: int):
         return self.buffers.shard_of(weights.read_value(), offset)

@@ -89,13 +89,11 @@ def whole_shards(buffers) -> dict:
     if not buffers.layout.across_workers:
         return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0)
                 for n in buffers.buffers if buffers.is_shard(n)}
-    if buffers.gather_slots is None:
-        buffers.gather_slots = tf.function(lambda: buffers.strategy.run(_all_gather_slots, args=(buffers,)),
-                                           autograph=False)
-    return {n: local(t)[0] for n, t in buffers.gather_slots().items()}
+    return buffers.layout.gathered_slots()
 
 
-def _all_gather_slots(buffers):
+def all_gather_slots(buffers):
+    """Every replica's shard of each slot buffer, all-gathered (replica context)."""
     # TensorFlow's collectives take no uint8 (8-bit codes): gathered as int32, exactly.
     slots = {n: buffers.local(n).read_value() for n in buffers.slot_names}
     wide = {n: tf.cast(v, tf.int32) if v.dtype == tf.uint8 else v for n, v in slots.items()}
