@@ -304,7 +304,7 @@ class FlatBuffers:
         """Where this replica's shard starts in the whole buffer (replica context; 0 when not sharded)."""
         return self._offset(fused._replica()[0])
 
-    def update(self, grad, clip_scale, learning_rate) -> None:
+    def update(self, grad, clip_scale, learning_rate) -> tf.Tensor | None:
         """The optimizer's step on this replica's buffers: one XLA computation (replica context).
         `grad` is the reduced gradient: whole, or this replica's shard of it when the buffers are
         sharded (kmp.distribute.scatter). Returns the new shard in the GatheredShards layout.

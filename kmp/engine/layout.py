@@ -38,6 +38,9 @@ def choose(buffers, optimizer, strategy, per_variable_rule: bool):
     replicas = strategy.num_replicas_in_sync
     stage_1 = getattr(optimizer, "zero_stage", 0) >= 1 and replicas > 1
     one_process = replicas > 1 and cpus_of_one_process(strategy)
+    # On CPUs of one process, shards at stage 0 too: no unused copies on the other replicas, and both
+    # stages take the same step. One update of whole buffers on the first replica's can be a little
+    # faster, but stage 1 cannot step that way (one XLA computation cannot touch both devices' shards).
     if one_process and not per_variable_rule:
         return SharedShards(buffers, slots_on_host=stage_1)
     if stage_1:  # ZeRO and Lamb are refused together (kmp.engine.buffers.support)
