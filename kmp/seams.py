@@ -107,7 +107,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     "keras.optimizers.Optimizer": (
         "_learning_rate",          # kmp.engine.fused: variable, schedule or callable
         "_iterations",             # (also read by tests/real_models.py: the steps an optimizer took)
-        "_get_current_learning_rate",  # kmp.LossScaleOptimizer's flat update: the rate of this step
+        "_get_current_learning_rate",  # kmp.engine.layout: the rate of the flat update's step
         "_trainable_variables",
         "_trainable_variables_indices",
         "_var_key",
