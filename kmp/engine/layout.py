@@ -30,7 +30,7 @@ from keras import ops
 from kmp.distribute.communication import chunks, cpus_of_one_process, reduce_mean
 from kmp.distribute.scatter import gather_rows, reduce_scatter_mean
 from kmp.engine import zero
-from kmp.scaling.gradients import all_finite, clip_scale, global_clip_scale, norm_of_parts, norm_parts
+from kmp.scaling.gradients import all_finite, clip_scale, clipped_check, norm_of_parts, norm_parts
 
 
 def choose(buffers, optimizer, strategy, per_variable_rule: bool):
@@ -112,17 +112,17 @@ class Whole:
     def check(self, optimizer, grad):
         """(finite, clip factor or None, per-variable finite flags) of the reduced gradient; the flags,
         for the overflow line, are computed on an overflow only."""
-        finite, clip = all_finite(grad), None
-        if optimizer.gradient_clipping is not None:
-            clip = global_clip_scale([grad], optimizer.gradient_clipping)
-            finite = finite & tf.math.is_finite(clip)
+        finite, clip = clipped_check(all_finite(grad), [grad], optimizer.gradient_clipping)
         count = len(self.buffers.sizes)
         flags = tf.cond(finite, lambda: tf.ones([count], tf.bool), lambda: self.buffers.segment_finite(grad))
         return finite, clip, flags
 
     def update(self, optimizer, grad, finite, clip) -> None:
-        """The update, if finite: one XLA computation on this replica's buffers."""
-        learning_rate = optimizer.inner_optimizer._get_current_learning_rate()
+        """The update, if finite, at this step's learning rate."""
+        self._apply(grad, finite, clip, optimizer.inner_optimizer._get_current_learning_rate())
+
+    def _apply(self, grad, finite, clip, learning_rate) -> None:
+        # One XLA computation on this replica's buffers.
         ops.cond(finite, lambda: self.buffers.update(grad, clip, learning_rate), lambda: None)
 
     def updated(self):
@@ -143,8 +143,7 @@ class FirstCopy(Whole):
     def first_only(self, name: str) -> bool:
         return name != "sums"  # each replica accumulates its own micro-batches
 
-    def update(self, optimizer, grad, finite, clip) -> None:
-        learning_rate = optimizer.inner_optimizer._get_current_learning_rate()
+    def _apply(self, grad, finite, clip, learning_rate) -> None:
         self.buffers.update_once(finite, grad, clip, learning_rate)
 
 
@@ -235,8 +234,7 @@ class GatheredShards(_Shards):
     def write(self, weights, new):
         return new  # zero.gather writes every replica's into the whole weights
 
-    def update(self, optimizer, grad, finite, clip) -> None:
-        learning_rate = optimizer.inner_optimizer._get_current_learning_rate()
+    def _apply(self, grad, finite, clip, learning_rate) -> None:
         buffers = self.buffers
         new = ops.cond(finite, lambda: buffers.update(grad, clip, learning_rate),
                        lambda: buffers.shard_of(buffers.local("weights").read_value()))

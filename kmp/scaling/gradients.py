@@ -8,6 +8,9 @@
                              finite gradients too large to square still get a
                              finite norm; a gradient holding inf or nan makes
                              every gradient nan, so the finite check sees it
+    clipped_check(finite, grads, clip)
+                             (finite, clip factor): the factor by the global
+                             norm, which a finite step needs finite too
     norm_parts(g) / norm_of_parts(largest, rest)
                              the same norm from shards: each shard's two
                              numbers, combined on every replica
@@ -115,6 +118,15 @@ def global_clip_scale(grads, clip_norm):
     overflowing gradient must not look finite.
     """
     return clip_scale(global_norm(grads), clip_norm)
+
+
+def clipped_check(finite, grads, clip_norm):
+    """(finite, clip factor): with clipping, the factor by the global norm of `grads`, and a finite
+    step needs the factor finite too (the values applied are grads * factor). Without: (finite, None)."""
+    if clip_norm is None:
+        return finite, None
+    clip = global_clip_scale(grads, clip_norm)
+    return finite & tf.math.is_finite(clip), clip
 
 
 def clip_scale(norm, clip_norm):

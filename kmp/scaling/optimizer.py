@@ -53,7 +53,7 @@ from kmp.errors import Problem, check, did_you_mean
 from kmp.scaling import overflow
 from kmp.scaling import state as loss_scale
 from kmp.scaling.accumulate import Accumulation
-from kmp.scaling.gradients import finite_flags, global_clip_scale, typed_where, unscale
+from kmp.scaling.gradients import clipped_check, finite_flags, typed_where, unscale
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 # The loss-scale keywords' defaults: LossScaleConfig's, written once there.
@@ -419,10 +419,8 @@ class _PerVariable:
 
     def check(self, optimizer, grads):
         flags = finite_flags(grads)  # which variables overflowed, for the log line
-        finite, clip = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True), None
-        if optimizer.gradient_clipping is not None:
-            clip = global_clip_scale([g for g, o in zip(grads, self.own) if not o], optimizer.gradient_clipping)
-            finite = finite & tf.math.is_finite(clip)  # the values applied are grads * clip
+        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        finite, clip = clipped_check(finite, [g for g, o in zip(grads, self.own) if not o], optimizer.gradient_clipping)
         return finite, clip, flags
 
     def update(self, optimizer, grads, finite, clip) -> None:
