@@ -7,6 +7,7 @@ and the median of the rounds is reported.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -69,21 +70,42 @@ def fit_ms_per_step(model, x, y, batch: int) -> float:
 
 def fit_times(model, x, y, batch: int) -> tuple[float, float]:
     """(steady ms per step as fit_ms_per_step, wall seconds of the whole fit() call)."""
+    steady, whole, _ = fit_phases(model, x, y, batch)
+    return steady, whole
+
+
+def fit_phases(model, x, y, batch: int) -> tuple[float, float, float]:
+    """fit_times, and the seconds from the callbacks' on_train_end to fit() returning.
+
+    That exit is where TensorFlow tears down fit()'s input iterators, and on
+    a fit() of several seconds it sometimes waits about 8 s, idle (seen in
+    stock Keras on one device as in every other row): the destructor of an
+    iterator Keras readied for an epoch that never runs waits for one of
+    tf.data's background threads.
+    """
     marks = []
-    clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
+    ended = []
+    clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()),
+                                           on_train_end=lambda logs: ended.append(time.perf_counter()))
     # The clock reads no weights: kmp's flat-buffer engine need not copy them out around it.
     clock.kmp_reads_weights = False
     start = time.perf_counter()
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[clock])
-    whole = time.perf_counter() - start
-    return (marks[-1] - marks[0]) * 1000 / (len(marks) - 1), whole
+    end = time.perf_counter()
+    return (marks[-1] - marks[0]) * 1000 / (len(marks) - 1), end - start, end - ended[-1]
 
 
 def interleaved(variants: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
     """Runs each `name -> callable returning ms` once per round, in turn.
 
     The first `warmup` rounds are not recorded (lazy initialization, caches).
+    What was built before is frozen out of Python's cyclic garbage collector
+    (gc.freeze): with several models in one process (over a million objects
+    with P6's six), a full collection takes about a second and lands inside
+    whichever fit() is running, a pause a process holding one model does not have.
     """
+    gc.collect()
+    gc.freeze()
     for _ in range(warmup):
         for measure in variants.values():
             measure()

@@ -16,7 +16,8 @@ whole-step XLA (same global batch), and <= 0.45x stock Keras under the
 strategy. kmp is measured prepared per variable (`flat_buffers=False`) and
 with the flat-buffer engine (`flat_buffers=True`, kmp.engine.engine), at ZeRO
 stage 0 and 1 (kmp.engine.zero); besides ms per step, it prints each row's whole
-fit() seconds and its first fit().
+fit() seconds and its first fit(). `--targets` also times float32: kmp's flat
+buffers under the strategy against one device with whole-step XLA.
 
     python benchmarks/p1_p2_step_time.py [--rounds 5] [--steps 30]
     python benchmarks/p1_p2_step_time.py --targets [--rounds 3] [--steps 15]
@@ -82,6 +83,7 @@ def main() -> None:
     kmp_unfused = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, fused=False)
     kmp_static = lambda: kmp.LossScaleOptimizer(adam(), static_scale=2.0**12, log_overflows=False)
     kmp_stage_1 = lambda: kmp.LossScaleOptimizer(adam(), log_overflows=False, zero_stage=1)
+    kmp_wrapped = lambda: kmp.wrap(adam())  # what a user writes; at float32 no loss scaling
 
     p1 = {  # built lazily: --targets builds five
         "Mirrored, mixed_float16, Keras LSO (stock)": lambda: compiled(mirrored, "mixed_float16", keras_lso),
@@ -94,6 +96,9 @@ def main() -> None:
         "  same, no XLA (prepare(jit_compile=False))":
             lambda: compiled(mirrored, "mixed_float16", kmp_dynamic, False),
         "Mirrored, float32, Keras Adam (stock)": lambda: compiled(mirrored, "float32", adam),
+        "Mirrored, float32, kmp prepared, flat buffers":
+            lambda: compiled(mirrored, "float32", kmp_wrapped, "auto", flat_buffers=True),
+        "one device, float32, Keras Adam + XLA": lambda: compiled(default, "float32", adam, None, True),
         "one device, mixed_float16, Keras LSO": lambda: compiled(default, "mixed_float16", keras_lso),
         "one device, mixed_float16, Keras LSO + XLA":
             lambda: compiled(default, "mixed_float16", keras_lso, None, True),
@@ -103,6 +108,8 @@ def main() -> None:
                                 "one device, mixed_float16, Keras LSO + XLA")
     flat = "Mirrored, mixed_float16, kmp prepared, flat buffers"
     stage_1 = "Mirrored, mixed_float16, kmp prepared, flat buffers, ZeRO stage 1"
+    stock_32, flat_32, one_xla_32 = ("Mirrored, float32, Keras Adam (stock)", "Mirrored, float32, kmp prepared, flat buffers",
+                                     "one device, float32, Keras Adam + XLA")
 
     def built(names):
         rows = {}
@@ -114,16 +121,26 @@ def main() -> None:
         return rows
 
     if args.targets:
-        rows = built([stock, prepared, flat, stage_1, one_xla])
+        rows = built([stock, prepared, flat, stage_1, one_xla, stock_32, flat_32, one_xla_32])
         times = interleaved(rows, args.rounds)
-        report("P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", times, one_xla)
-        report("P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", times, stock)
+        fp16 = {name: times[name] for name in (stock, prepared, flat, stage_1, one_xla)}
+        fp32 = {name: times[name] for name in (stock_32, flat_32, one_xla_32)}
+        report("P1: vs one device with whole-step XLA (target for kmp <= 1.15x)", fp16, one_xla)
+        report("P1: vs stock Keras under Mirrored (target for kmp <= 0.45x)", fp16, stock)
+        report("P1 at float32: vs one device with whole-step XLA", fp32, one_xla_32)
         print(f"\nWhole fit() of {args.steps} steps: seconds, median (min-max) of the timed calls; "
               f"first: build + the first fit() (trace, compile, 2 steps)")
         for name, row in rows.items():
             timed = row.seconds[-args.rounds:]  # the warm-up round's call is not counted
             print(f"{name:54s} {statistics.median(timed):6.2f} s ({min(timed):.2f}-{max(timed):.2f})  "
                   f"first {row.first:.1f} s")
+        # Item by item: the whole fit()'s ratio beside the steady step's; apart, the per-call cost.
+        for kmp_row, floor in ((flat, one_xla), (flat_32, one_xla_32)):
+            whole = [statistics.median(rows[n].seconds[-args.rounds:]) for n in (kmp_row, floor)]
+            steady = [statistics.median(times[n]) for n in (kmp_row, floor)]
+            print(f"{kmp_row}: whole fit() {whole[0] / whole[1]:.2f}x the floor's, steady step "
+                  f"{steady[0] / steady[1]:.2f}x; per call besides the steps: kmp "
+                  f"{whole[0] - steady[0] * args.steps / 1000:.2f} s, floor {whole[1] - steady[1] * args.steps / 1000:.2f} s")
         for name in (prepared, flat, stage_1):
             opt = rows[name].model.optimizer
             engine = "flat buffers" if kmp.engine.engine.engine_of(rows[name].model) else "per variable"
