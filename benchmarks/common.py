@@ -77,11 +77,10 @@ def fit_times(model, x, y, batch: int) -> tuple[float, float]:
 def fit_phases(model, x, y, batch: int) -> tuple[float, float, float]:
     """fit_times, and the seconds from the callbacks' on_train_end to fit() returning.
 
-    That exit is where TensorFlow tears down fit()'s input iterators, and on
-    a fit() of several seconds it sometimes waits about 8 s, idle (seen in
-    stock Keras on one device as in every other row): the destructor of an
-    iterator Keras readied for an epoch that never runs waits for one of
-    tf.data's background threads.
+    That exit is where TensorFlow tears down fit()'s input iterator. On a
+    fit() of several seconds it sometimes waits there, idle, for seconds,
+    in stock Keras as in kmp: until the next wake of tf.data's autotuning
+    loop, it seems (benchmarks/RESULTS.md, P6).
     """
     marks = []
     ended = []

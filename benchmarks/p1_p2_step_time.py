@@ -108,7 +108,8 @@ def main() -> None:
                                 "one device, mixed_float16, Keras LSO + XLA")
     flat = "Mirrored, mixed_float16, kmp prepared, flat buffers"
     stage_1 = "Mirrored, mixed_float16, kmp prepared, flat buffers, ZeRO stage 1"
-    stock_32, flat_32, one_xla_32 = ("Mirrored, float32, Keras Adam (stock)", "Mirrored, float32, kmp prepared, flat buffers",
+    stock_32, flat_32, one_xla_32 = ("Mirrored, float32, Keras Adam (stock)",
+                                     "Mirrored, float32, kmp prepared, flat buffers",
                                      "one device, float32, Keras Adam + XLA")
 
     def built(names):
@@ -134,13 +135,14 @@ def main() -> None:
             timed = row.seconds[-args.rounds:]  # the warm-up round's call is not counted
             print(f"{name:54s} {statistics.median(timed):6.2f} s ({min(timed):.2f}-{max(timed):.2f})  "
                   f"first {row.first:.1f} s")
-        # Item by item: the whole fit()'s ratio beside the steady step's; apart, the per-call cost.
+        # kmp's whole fit() beside its steady step, against the floor; what is not steps is per-call cost.
         for kmp_row, floor in ((flat, one_xla), (flat_32, one_xla_32)):
             whole = [statistics.median(rows[n].seconds[-args.rounds:]) for n in (kmp_row, floor)]
             steady = [statistics.median(times[n]) for n in (kmp_row, floor)]
             print(f"{kmp_row}: whole fit() {whole[0] / whole[1]:.2f}x the floor's, steady step "
                   f"{steady[0] / steady[1]:.2f}x; per call besides the steps: kmp "
-                  f"{whole[0] - steady[0] * args.steps / 1000:.2f} s, floor {whole[1] - steady[1] * args.steps / 1000:.2f} s")
+                  f"{whole[0] - steady[0] * args.steps / 1000:.2f} s, "
+                  f"floor {whole[1] - steady[1] * args.steps / 1000:.2f} s")
         for name in (prepared, flat, stage_1):
             opt = rows[name].model.optimizer
             engine = "flat buffers" if kmp.engine.engine.engine_of(rows[name].model) else "per variable"

@@ -21,8 +21,8 @@ Every row is built and traced first, then all six run in interleaved rounds
 per row, medians over the rounds: the steady step (ms, fit() from the end of
 its first step to the end of its last, common.fit_times), the whole fit()
 call in ms per step (its per-call set-up included) and the same less its
-exit (TensorFlow's teardown of the input iterators, which sometimes waits
-about 8 s in every row: common.fit_phases), tokens per second
+exit (TensorFlow's teardown of the input iterator, which sometimes holds
+fit() for seconds in every row: common.fit_phases), tokens per second
 (global batch x 128 / steady step), and the first call: compile(),
 kmp.prepare and the first fit() of 2 steps (trace, XLA compilation, 2
 steps), in seconds. Then kmp's ratios to the floor and to stock Keras under
@@ -118,7 +118,8 @@ def main() -> None:
 
         def whole_less_exit(self, rounds):
             """Whole fit() per step without the exit (common.fit_phases: TensorFlow's iterator teardown)."""
-            return statistics.median(w - e * 1000 / args.steps for w, e in zip(self.whole[-rounds:], self.exits[-rounds:]))
+            timed = zip(self.whole[-rounds:], self.exits[-rounds:])
+            return statistics.median(w - e * 1000 / args.steps for w, e in timed)
 
     def built(variant, policy):
         keras.config.set_dtype_policy(policy)
