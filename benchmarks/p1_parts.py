@@ -2,7 +2,8 @@
 
 Each row adds one part to the one above, timed in one process in
 interleaved rounds (ms per step, median), on the issues' MLP (40 x
-Dense(256), batch 64, Adam, mixed_float16) and two logical CPU devices:
+Dense(256), batch 64, Adam; mixed_float16 unless --precision float32) and two
+logical CPU devices, on kmp's per-variable path:
 
 1. forward/backward: each replica's XLA computation (kmp.engine.replica_step)
 2. + all-reduce: kmp.distribute.communication's flat float32 bucket
@@ -14,7 +15,7 @@ and, for scale, one device with Keras's whole-step XLA (the same MLP and
 batch, Keras's own LossScaleOptimizer). fit() adds its own cost per step
 on top of row 5 (input pipeline, logs), the same with or without kmp.
 
-    python benchmarks/p1_parts.py [--rounds 5] [--steps 20]
+    python benchmarks/p1_parts.py [--rounds 5] [--steps 20] [--precision float32]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--precision", default="mixed_float16", choices=("mixed_float16", "float32"))
     args = parser.parse_args()
 
     use_two_logical_cpus()
@@ -44,7 +46,7 @@ def main() -> None:
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 256)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
-    keras.config.set_dtype_policy("mixed_float16")
+    keras.config.set_dtype_policy(args.precision)
     with mirrored.scope():
         keras.utils.set_random_seed(0)
         model = mlp()
@@ -91,10 +93,12 @@ def main() -> None:
 
         return measure
 
-    keras.config.set_dtype_policy("mixed_float16")
+    keras.config.set_dtype_policy(args.precision)
     one = mlp()
-    one.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-4)), loss="mse",
-                jit_compile=True)
+    one_optimizer = keras.optimizers.Adam(1e-4)
+    if args.precision == "mixed_float16":
+        one_optimizer = keras.optimizers.LossScaleOptimizer(one_optimizer)
+    one.compile(optimizer=one_optimizer, loss="mse", jit_compile=True)
     one.fit(x, y, batch_size=64, epochs=1, verbose=0)
     one_step = tf.function(one.train_step, jit_compile=True)
 
@@ -113,7 +117,7 @@ def main() -> None:
         "5. whole train step (kmp.replica_step)": timed(lambda b: replica_step.train_step(model, b)),
         "one device, Keras whole-step XLA": one_device,
     }
-    report("Where P1's step time goes (Mirrored, 2 logical CPUs, mixed_float16)",
+    report(f"Where P1's step time goes (Mirrored, 2 logical CPUs, {args.precision})",
            interleaved(variants, args.rounds), baseline="5. whole train step (kmp.replica_step)")
 
 
