@@ -48,6 +48,8 @@ def main() -> None:
 
     import kmp
 
+    from kmp.engine.engine import engine_of  # a module kmp loads only once a model is prepared
+
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     default = tf.distribute.get_strategy()
     x, y = regression_data(args.batch, args.steps)
@@ -73,7 +75,7 @@ def main() -> None:
             kmp.prepare(model, jit_compile=prepare, flat_buffers=flat_buffers)
         model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)  # trace
         keras.config.set_dtype_policy("float32")
-        if flat_buffers and kmp.engine.engine.engine_of(model) is None:
+        if flat_buffers and engine_of(model) is None:
             raise RuntimeError("kmp.prepare(flat_buffers=True) built no flat-buffer engine")
         return Row(model)
 
@@ -145,7 +147,7 @@ def main() -> None:
                   f"floor {whole[1] - steady[1] * args.steps / 1000:.2f} s")
         for name in (prepared, flat, stage_1):
             opt = rows[name].model.optimizer
-            engine = "flat buffers" if kmp.engine.engine.engine_of(rows[name].model) else "per variable"
+            engine = "flat buffers" if engine_of(rows[name].model) else "per variable"
             print(f"{name}: {engine}; skipped steps {int(opt.skipped_steps.numpy())}, "
                   f"updates {int(opt.inner_optimizer.iterations.numpy())}")
         return

@@ -147,6 +147,8 @@ def _build_fit(name, count, size, steps):
     import numpy as np
 
     import kmp
+
+    from kmp.engine.engine import engine_of  # a module kmp loads only once a model is prepared
     from common import fit_ms_per_step
 
     keras.utils.set_random_seed(0)
@@ -162,7 +164,7 @@ def _build_fit(name, count, size, steps):
         kmp.prepare(model, flat_buffers=name.startswith("kmp flat"))
     if name == "kmp flat update":
         first, measure, extra = _flat_update(model, steps)
-        engine = kmp.engine.engine.engine_of(model)
+        engine = engine_of(model)
     else:
         rng = np.random.default_rng(0)
         x = rng.normal(size=(BATCH * steps, 1)).astype("float32")
@@ -170,7 +172,7 @@ def _build_fit(name, count, size, steps):
         start = time.perf_counter()
         model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
         first = time.perf_counter() - start
-        engine = kmp.engine.engine.engine_of(model)
+        engine = engine_of(model)
         measure, extra = (lambda: fit_ms_per_step(model, x, y, BATCH)), ""
     if name.startswith("kmp flat") and engine is None:
         raise RuntimeError(f"{name}: kmp.prepare(flat_buffers=True) built no flat-buffer engine")
