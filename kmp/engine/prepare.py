@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from kmp import seams, values
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, overflow_layer, replica_step, state, wall_clock
+from kmp.engine import engine, iterators, overflow_layer, replica_step, state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
@@ -290,7 +290,8 @@ def _build_function(self, step_function):
     if plan.every:
         function = _timed(self, plan, function)
     replica_step.path_of(self)["taken"] = _path_taken(plan)
-    return overflow.raising_loss_scale_errors(function)
+    # The main thread never destroys an input iterator (that waits on tf.data's autotune thread).
+    return overflow.raising_loss_scale_errors(iterators.releasing(function))
 
 
 def _path_taken(plan: _Plan) -> str:

@@ -1,0 +1,82 @@
+"""kmp.engine.iterators: a prepared model's finished input iterators are destroyed on kmp's thread,
+never on the main one, where destroying one waits for tf.data's autotune thread to wake.
+
+The wait itself is timing (benchmarks/p6_transformer.py measures whole fit() calls); what is
+tested is where each iterator's destructor runs, and that nothing still in use is dropped.
+"""
+
+import threading
+import time
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.engine import iterators
+
+
+def _wait_until_released(releaser=iterators._RELEASER, seconds=30.0):
+    end = time.monotonic() + seconds
+    while releaser.holding() and time.monotonic() < end:
+        time.sleep(0.02)
+    return releaser.holding()
+
+
+def _destroyed_on(obj, where: list):
+    weakref.finalize(obj, lambda: where.append(threading.current_thread().name))
+
+
+def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread():
+    where = []
+    seen = iterators.releasing(lambda it: next(it))
+    iterator = iter(tf.data.Dataset.range(10).prefetch(tf.data.AUTOTUNE))
+    _destroyed_on(iterator, where)
+    assert int(seen(iterator)) == 0 and int(seen(iterator)) == 1
+    time.sleep(3 * iterators.POLL_SECONDS)
+    assert where == []  # still ours: nothing is dropped while the caller holds it
+    del iterator
+    assert _wait_until_released() == 0
+    assert where == ["kmp-iterator-release"]
+
+
+def test_anything_else_is_passed_through_and_not_held():
+    seen = iterators.releasing(lambda batches: len(batches))
+    assert seen([np.ones(2)]) == 1  # train_on_batch's list of one batch
+    assert iterators.holding() == 0
+
+
+def test_at_exit_what_is_held_is_dropped_and_waited_for():
+    releaser, where = iterators._Releaser(), []
+    iterator = iter(tf.data.Dataset.range(3))
+    _destroyed_on(iterator, where)
+    releaser.hold(iterator)
+    del iterator
+    releaser.stop()
+    assert releaser.holding() == 0 and where == ["kmp-iterator-release"]
+    releaser.hold(iter(tf.data.Dataset.range(3)))  # after the stop: not held, destroyed by the caller
+    assert releaser.holding() == 0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fit_destroys_each_epochs_iterator_off_the_main_thread(replicas, two_replicas, monkeypatch):
+    strategy = two_replicas if replicas == 2 else tf.distribute.get_strategy()
+    where, hold = [], iterators._RELEASER.hold
+
+    def watched(iterator):
+        if id(iterator) not in iterators._RELEASER._held:
+            _destroyed_on(iterator, where)
+        hold(iterator)
+
+    monkeypatch.setattr(iterators._RELEASER, "hold", watched)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+    kmp.prepare(model)
+    x = np.random.default_rng(0).random((32, 4)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=3, verbose=0, validation_data=(x, x[:, :1]))
+    assert _wait_until_released() == 0
+    # At least the three epochs' iterators (and validation's, as many as Keras made), none on the main thread.
+    assert len(where) >= 3 and set(where) == {"kmp-iterator-release"}, where
