@@ -77,10 +77,10 @@ def fit_times(model, x, y, batch: int) -> tuple[float, float]:
 def fit_phases(model, x, y, batch: int) -> tuple[float, float, float]:
     """fit_times, and the seconds from the callbacks' on_train_end to fit() returning.
 
-    That exit is where TensorFlow tears down fit()'s input iterator. On a
-    fit() of several seconds it sometimes waits there, idle, for seconds,
-    in stock Keras as in kmp: until the next wake of tf.data's autotuning
-    loop, it seems (benchmarks/RESULTS.md, P6).
+    That exit is where stock Keras destroys fit()'s input iterator, which
+    can wait, idle, for seconds: until the next wake of tf.data's autotuning
+    loop (benchmarks/RESULTS.md, P6). A prepared model's iterator is
+    destroyed on kmp's thread instead (kmp/engine/iterators.py).
     """
     marks = []
     ended = []

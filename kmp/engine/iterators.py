@@ -32,6 +32,8 @@ import tensorflow as tf
 
 _ITERATORS = (tf.data.Iterator, tf.distribute.DistributedIterator)
 POLL_SECONDS = 0.1
+# The autotune thread's longest sleep is a minute: a wait longer than that at exit is not this one.
+EXIT_SECONDS = 120.0
 
 
 class _Releaser:
@@ -73,13 +75,13 @@ class _Releaser:
                 self._lock.wait(POLL_SECONDS if self._held else None)
 
     def stop(self) -> None:
-        """Drop everything held and wait until it is destroyed (at interpreter exit)."""
+        """Drop everything held and wait (up to EXIT_SECONDS) until it is destroyed (at interpreter exit)."""
         with self._lock:
             self._stopping = True
             thread = self._thread if self._pid == os.getpid() else None
             self._lock.notify()
         if thread is not None:
-            thread.join()
+            thread.join(EXIT_SECONDS)
 
 
 _RELEASER = _Releaser()
