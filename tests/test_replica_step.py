@@ -328,7 +328,8 @@ def test_which_losses_are_weighted_by_rows(caplog):
 
 
 def _under_kmps_wrappers(function):
-    """The train function under kmp's floor-error translation and first-step fallback."""
-    while function.__qualname__ in ("raising_loss_scale_errors.<locals>.call", "_falling_back.<locals>.call"):
+    """The train function under kmp's floor-error translation, first-step fallback and iterator release."""
+    while function.__qualname__ in ("raising_loss_scale_errors.<locals>.call", "_falling_back.<locals>.call",
+                                    "releasing.<locals>.call"):
         function = function.__wrapped__
     return function

@@ -7,9 +7,9 @@ marks itself cancelled, so the thread sleeps out its period, which doubles
 from 10 ms up to about a minute while the iterator lives. Keras drops an
 epoch's iterator when the next epoch begins and when fit() returns, so each
 epoch after the first, and fit() itself, can wait seconds doing nothing
-(a 7-second epoch: 3 s more; a 20-step fit() of 11 s returned at 20.5 s).
+(benchmarks/input_teardown.py measures it).
 
-A prepared model's train and test functions hand each new iterator they are
+A prepared model's train and test functions hand each iterator they are
 called with to one daemon thread, which holds a reference of its own:
 
     train_function(iterator) -> hold(iterator), once per iterator
