@@ -116,6 +116,10 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
          loop fails under Mirrored and MultiWorkerMirrored
          (keras-team/keras#19246); kmp's runs the same steps
          (`_multi_step_function`).
+
+    The train and test functions it builds hand each input iterator to a
+    thread of kmp's, which destroys it once nothing else holds it
+    (kmp.engine.iterators): fit() never waits for tf.data's teardown.
     """
     stock = getattr(type(model), "_maybe_symbolic_build", None)
     if not isinstance(model, keras.Model) or stock is None:
