@@ -83,7 +83,7 @@ def two_replicas():
 
 
 def pytest_collection_modifyitems(items):
-    """The longest groups first (the real-model matrix, then the other slow tests): the two
+    """The longest groups first (the real-model matrix, then the other slow tests): the xdist
     workers then fill the rest of the run with short tests instead of ending on one long group."""
     def rank(item):
         return 0 if item.nodeid.startswith("tests/test_real_models.py") else 1 if item.get_closest_marker("slow") else 2
