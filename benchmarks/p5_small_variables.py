@@ -1,15 +1,15 @@
 """P5: a model of >= 1000 small variables, mixed_float16, one device.
 
-The "many small variables" model: `blocks` Dense(64) + LayerNormalization
+The "many small variables" model: `blocks` Dense(width) + LayerNormalization
 blocks (4 variables each, so 250 blocks are 1004 variables with the final
-LayerNormalization and the head), a float32 Dense(1) head, Adam, mse, batch 64, on one device (no strategy), with
-the mixed_float16 policy; the blocks are either
+LayerNormalization and the head; width 64 unless --width, also the input's), a float32 Dense(1) head, Adam, mse,
+batch 64, on one device (no strategy), with the mixed_float16 policy; the blocks are either
 
-    stacked      x = x + Dense(64, relu)(LayerNormalization(x)), `blocks` times
+    stacked      x = x + Dense(width, relu)(LayerNormalization(x)), `blocks` times
                  (pre-norm residual: a plain stack of Dense(relu) ->
                  LayerNormalization overflowed float16 gradients at every
                  loss scale down to 1 from 100 blocks on)
-    parallel     sum over `blocks` branches of LayerNormalization(Dense(64, relu)(x))
+    parallel     sum over `blocks` branches of LayerNormalization(Dense(width, relu)(x))
 
 The note under each row gives the loss-scale optimizer's applied updates
 (and kmp's skipped steps): a skipped step does no update, so rows with
@@ -43,6 +43,7 @@ the target for the first epoch: <= 60 s).
 
     python benchmarks/p5_small_variables.py --blocks 25,100,250                  # stacked
     python benchmarks/p5_small_variables.py --layout parallel --blocks 25,100,250
+    python benchmarks/p5_small_variables.py --layout parallel --width 8 --blocks 250   # 250 branches of Dense(8)
     [--rounds 3] [--steps 10] [--rows keras,kmp] [--xla-limit 300] [--rss-limit 16]
     python benchmarks/p5_small_variables.py --targets   # 250 stacked blocks: keras, kmp, kmp flat, keras+xla
 
@@ -61,23 +62,23 @@ import isolated
 
 ROWS = ["keras", "keras+xla", "kmp", "kmp+xla", "kmp flat"]
 TARGET_ROWS = ["keras", "kmp", "kmp flat", "keras+xla"]  # the XLA row last: it may hit its limit
-WIDTH, BATCH = 64, 64
+WIDTH, BATCH = 64, 64  # WIDTH: the default --width
 
 
-def build_model(layout: str, blocks: int):
+def build_model(layout: str, blocks: int, width: int = WIDTH):
     import keras
 
-    inputs = keras.Input((WIDTH,))
+    inputs = keras.Input((width,))
     x = inputs
     if layout == "stacked":
         # Pre-norm residual blocks. A plain stack, Dense(relu) -> LayerNorm,
         # overflowed float16 gradients at every loss scale down to 1 with 100
         # blocks (every step skipped: nothing to time).
         for _ in range(blocks):
-            branch = keras.layers.Dense(WIDTH, activation="relu")(keras.layers.LayerNormalization()(x))
+            branch = keras.layers.Dense(width, activation="relu")(keras.layers.LayerNormalization()(x))
             x = keras.layers.Add()([x, branch])
     else:
-        branches = [keras.layers.LayerNormalization()(keras.layers.Dense(WIDTH, activation="relu")(inputs))
+        branches = [keras.layers.LayerNormalization()(keras.layers.Dense(width, activation="relu")(inputs))
                     for _ in range(blocks)]
         x = keras.layers.Add()(branches)
     x = keras.layers.LayerNormalization()(x)  # the head sees unit-scale inputs: a loss of ~1, not ~10^4
@@ -86,7 +87,7 @@ def build_model(layout: str, blocks: int):
     return keras.Model(inputs, x)
 
 
-def _build(name, layout, blocks, steps):
+def _build(name, layout, blocks, steps, width):
     import keras
 
     import kmp
@@ -96,14 +97,14 @@ def _build(name, layout, blocks, steps):
 
     keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    model = build_model(layout, blocks)
+    model = build_model(layout, blocks, width)
     optimizer = keras.optimizers.Adam(1e-4)
     if name.startswith("kmp"):
         model.compile(optimizer=kmp.wrap(optimizer), loss="mse")
         kmp.prepare(model, jit_compile=True if name.endswith("+xla") else "auto", flat_buffers=name == "kmp flat")
     else:
         model.compile(optimizer=optimizer, loss="mse", jit_compile=name.endswith("+xla"))
-    x, y = regression_data(BATCH, steps, WIDTH)
+    x, y = regression_data(BATCH, steps, width)
     start = time.perf_counter()
     model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1, verbose=0)
     first = time.perf_counter() - start
@@ -129,14 +130,16 @@ def worker(argv):
         parser.add_argument(flag)
     parser.add_argument("--blocks", type=int)
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--width", type=int)
     args = parser.parse_args(argv)
-    isolated.serve(lambda: _build(args.worker, args.layout, args.blocks, args.steps))
+    isolated.serve(lambda: _build(args.worker, args.layout, args.blocks, args.steps, args.width))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=["stacked", "parallel"], default="stacked")
     parser.add_argument("--blocks", default="25,100,250")
+    parser.add_argument("--width", type=int, default=WIDTH, help="units of each Dense, and the input's width")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--targets", action="store_true",
                         help=f"the targets' comparison: --blocks 250 --rows {','.join(TARGET_ROWS)}")
@@ -151,13 +154,13 @@ def main(argv=None):
     unknown = [row for row in args.rows.split(",") if row not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {','.join(ROWS)}")
-    print(f"P5: {args.layout} Dense({WIDTH}) + LayerNormalization blocks, mixed_float16, batch {BATCH}, one device; "
+    print(f"P5: {args.layout} Dense({args.width}) + LayerNormalization blocks, mixed_float16, batch {BATCH}, one device; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; rounds={args.rounds}, steps={args.steps}")
     for blocks in map(int, args.blocks.split(",")):
         variants = {
             row: isolated.Variant(
                 [sys.executable, __file__, "--worker", row, "--layout", args.layout, "--blocks", str(blocks),
-                 "--steps", str(args.steps)],
+                 "--steps", str(args.steps), "--width", str(args.width)],
                 args.xla_limit if row.endswith("+xla") else args.build_limit)
             for row in args.rows.split(",")
         }
