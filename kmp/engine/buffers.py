@@ -234,9 +234,14 @@ class FlatBuffers:
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
         # Each length from its variable: a traced gradient's static shape may be unknown (a tied
         # embedding's IndexedSlices made dense, keras-hub's transformers).
-        parts = [None if grads[i] is None else tf.reshape(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
+        if not overflow.in_xla():
+            # Each op runs on its own outside XLA: one division of the joined gradient, not one per variable.
+            parts = [None if grads[i] is None else _reshaped(tf.convert_to_tensor(unscale(grads[i], None)), [n])
+                     for i, n in zip(self.order, self.sizes)]
+            return unscale(_pad_to(tf.concat(self._padded(parts), axis=0), self.length), scale)
+        parts = [None if grads[i] is None else _reshaped(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
                  for i, n in zip(self.order, self.sizes)]
-        if overflow.in_xla() and self.layout.shares_cores and max(self.sizes) >= IN_PLACE_FROM:
+        if self.layout.shares_cores and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
         return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
 
@@ -455,7 +460,7 @@ class FlatBuffers:
             keep.append(len(pieces))
             pieces += [n, span - n] if span > n else [n]
         parts = tf.split(flat, pieces)
-        return [tf.reshape(parts[k], s) for k, s in zip(keep, shapes)]
+        return [_reshaped(parts[k], s) for k, s in zip(keep, shapes)]
 
     def _joined(self, name, values):
         """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
@@ -463,7 +468,7 @@ class FlatBuffers:
         parts = []
         for value, span in zip(values, self.spans):
             n, span = value.shape.num_elements(), self._length(name, span)
-            parts.append(tf.reshape(value, (n,)))
+            parts.append(_reshaped(value, (n,)))
             if span > n:
                 parts.append(tf.fill((span - n,), tf.constant(pad, value.dtype)))
         return tf.concat(parts, axis=0)
@@ -539,6 +544,13 @@ class _Masked:
 
     def assign(self, value):
         return self.variable.assign(tf.where(self.keep, value, self.old))
+
+
+def _reshaped(tensor, shape):
+    """`tensor` in `shape`: itself where it has that shape already (one op less to trace and, outside XLA, to run)."""
+    if tensor.shape.is_fully_defined() and tensor.shape == tf.TensorShape(shape):
+        return tensor
+    return tf.reshape(tensor, shape)
 
 
 def _pad_to(flat, length: int):

@@ -181,13 +181,15 @@ class Engine:
         key = replica_step.replica_key()
         cache = self.__dict__.setdefault("_steps", {})
         if key not in cache:
-            cache[key] = tf.function(self._forward_backward, jit_compile=self.xla, reduce_retracing=True)
+            cache[key] = (replica_step.compiled(self.model, self._forward_backward) if self.xla
+                          else tf.function(self._forward_backward, reduce_retracing=True))
         return cache[key]
 
     @property
     def xla(self) -> bool:
         """Whether the forward/backward is compiled: unless prepare(jit_compile=False), a layer does not
-        support XLA, or XLA failed on the model (kmp.engine.prepare). The update (kmp.engine.buffers) always is."""
+        support XLA, XLA failed on the model (kmp.engine.prepare), or its trace predicted minutes of compile
+        (kmp.engine.xla_choice). The update (kmp.engine.buffers) always is."""
         model = self.model
         return (kmp_state.setting(model, "jit_compile") is not False and bool(seams.get("model_supports_jit")(model))
                 and replica_step.XLA not in replica_step.path_of(model)["dropped"])

@@ -302,7 +302,7 @@ def _path_taken(plan: _Plan) -> str:
     """The path a train function takes, as kmp.engine.replica_step.describe_path says it."""
     if not plan.stock:
         return "the model's own train_step, per-variable update"
-    xla = "whole-step XLA" if plan.whole_step_xla else "XLA per replica" if plan.replica_xla else "no XLA"
+    xla = "whole-step XLA" if plan.whole_step_xla else replica_step.REPLICA_XLA if plan.replica_xla else "no XLA"
     return ", ".join(["flat buffers" if plan.engine is not None else "per-variable update", xla]
                      + (["overflow-layer finder"] if plan.finder else []))
 

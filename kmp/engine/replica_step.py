@@ -36,7 +36,7 @@ import tensorflow as tf
 from kmp import seams
 from kmp.distribute.communication import all_reduce_sum
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import state, wall_clock
+from kmp.engine import state, wall_clock, xla_choice
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ JIT_CHOICES = ("auto", True, False)
 # The fast paths a prepared model's first train step falls back from when it cannot be built on them
 # (kmp.engine.prepare), in that order.
 FLAT, FINDER, XLA = "flat buffers", "overflow-layer finder", "XLA"
+REPLICA_XLA = "XLA per replica"  # in describe_path's line
 
 
 def path_of(model) -> dict:
@@ -164,10 +165,26 @@ def _compiled(model):
     cache = state.ensure(model).replica_steps
     key = replica_key()
     if key not in cache:
-        cache[key] = tf.function(
-            lambda *args: _forward_backward(model, *args), jit_compile=True, reduce_retracing=True
-        )
+        cache[key] = compiled(model, lambda *args: _forward_backward(model, *args))
     return cache[key]
+
+
+def compiled(model, fn):
+    """`fn`, a forward/backward of `model`, compiled with XLA unless kmp.engine.xla_choice predicts
+    minutes of compile under jit_compile="auto" (then plain, and the path says so)."""
+    forced = state.setting(model, "jit_compile") is True or bool(model.jit_compile)
+    return xla_choice.function(fn, forced, lambda ops, longest: _xla_declined(model, ops, longest))
+
+
+def _xla_declined(model, ops, longest) -> None:
+    path = path_of(model)
+    if XLA in path["dropped"]:
+        return  # another replica's trace said so
+    why = f"its graph ({ops} ops, {ops / max(longest, 1):.0f} wide on average) would take XLA minutes to compile"
+    path["dropped"][XLA] = why
+    path["taken"] = path["taken"] and path["taken"].replace(REPLICA_XLA, "no XLA")
+    logger.warning("kmp: %s: the forward/backward runs without XLA: %s; the update keeps XLA. "
+                   "kmp.prepare(model, jit_compile=True) compiles it anyway.", model.name, why)
 
 
 def replica_key() -> tuple:

@@ -1,0 +1,83 @@
+"""Whether kmp's forward/backward is compiled with XLA, by the compile time its traced graph predicts.
+
+XLA:CPU's compile time grows with a graph's ops times its average width
+(its ops over its longest path). The sum of 250 parallel branches
+LayerNormalization(Dense(8)(x)) traces to about 18K ops, 150 wide on
+average, and did not compile in 20 minutes; 250 stacked blocks of about as
+many ops, 2 wide, compile in under a minute (benchmarks/p5_small_variables.py).
+So, under `jit_compile="auto"`:
+
+    xla = tf.function(forward_backward, jit_compile=True)
+    graph = xla's trace for these arguments         # traced once either way
+    if ops * ops / longest_path > LIMIT:            # minutes of compile
+        run a plain tf.function of forward_backward instead (traced again),
+        and say so once
+    else:
+        run xla
+
+`jit_compile=True` (kmp.prepare's or Keras's compile's) compiles whatever
+the cost. The optimizer's update keeps its own XLA computation either way.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# ops * ops / longest path past which the forward/backward runs without XLA. The measured
+# forward/backwards behind it (ops, longest path, cost): real models' from tiny configs
+# 1K-7K ops, 2-3 wide, cost 3K-15K; 250 stacked blocks 17K ops, cost 35K (compiled in
+# 30-60 s); 25 and 50 parallel branches cost 36K and 109K (compiled in about 35 and 100 s).
+LIMIT = 100_000
+
+# Ops that do no work: not counted, nor as a step of a path.
+_FREE = frozenset({"Const", "Placeholder", "NoOp", "Identity"})
+
+
+def cost(graph) -> tuple[int, int]:
+    """(ops that do work, the longest path of them) in a traced graph.
+
+    A graph lists its ops in the order they were made, so each op's inputs
+    come before it.
+    """
+    depth = {}
+    ops = longest = 0
+    for op in graph.get_operations():
+        d = max([depth.get(t.op.name, 0) for t in op.inputs] + [depth.get(c.name, 0) for c in op.control_inputs],
+                default=0)
+        if op.type not in _FREE:
+            d += 1
+            ops += 1
+            longest = max(longest, d)
+        depth[op.name] = d
+    return ops, longest
+
+
+def predicted(graph) -> tuple[int, int, float]:
+    """(ops, longest path, ops * ops / longest path) of a traced graph."""
+    ops, longest = cost(graph)
+    return ops, longest, ops * ops / max(longest, 1)
+
+
+def function(fn, forced: bool, declined):
+    """`fn` as a tf.function compiled with XLA unless its first trace predicts minutes of compile.
+
+    Unless `forced`, the first call's trace is measured; past LIMIT, `fn`
+    runs as a plain tf.function from then on and `declined(ops, longest)`
+    is called once (the caller says so).
+    """
+    xla = tf.function(fn, jit_compile=True, reduce_retracing=True)
+    if forced:
+        return xla
+    chosen = None
+
+    def call(*args):
+        nonlocal chosen
+        if chosen is None:
+            ops, longest, score = predicted(xla.get_concrete_function(*args).graph)
+            chosen = xla
+            if score > LIMIT:
+                chosen = tf.function(fn, reduce_retracing=True)
+                declined(ops, longest)
+        return chosen(*args)
+
+    return call
