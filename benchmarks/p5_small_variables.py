@@ -27,8 +27,10 @@ many skips would be timed short. Rows:
                  whole-step XLA around kmp's optimizer
     kmp flat     kmp.prepare(model, flat_buffers=True): the flat-buffer engine
                  (kmp.engine): the forward/backward in one XLA computation on
-                 the flat float32 weights, one flat gradient, one overflow
-                 check, one XLA update of the flat weights and Adam's moments
+                 the flat float32 weights (without XLA where its trace predicts
+                 minutes of compile: kmp.engine.xla_choice), one flat gradient,
+                 one overflow check, one XLA update of the flat weights and
+                 Adam's moments
 
 Each row is its own worker process (benchmarks/isolated.py), built alone
 under a wall-clock limit (--xla-limit for the +xla rows, default 300 s;
