@@ -74,7 +74,7 @@ def test_past_the_limit_the_flat_engine_trains_as_without_xla(low_limit, caplog)
     assert "branches: the forward/backward runs without XLA: its graph (" in declines[0].getMessage()
     assert "kmp.prepare(model, jit_compile=True) compiles it anyway" in declines[0].getMessage()
     path = replica_step.describe_path(model)
-    assert path.startswith("flat buffers, no XLA, overflow-layer finder (XLA dropped: its graph ("), path
+    assert path.startswith("flat buffers, no XLA, overflow-layer finder (XLA off: its graph ("), path
     # The same step as prepare(jit_compile=False): the same ops, outside XLA.
     _, plain = _fit(jit_compile=False)
     np.testing.assert_array_equal(losses, plain)
@@ -96,9 +96,14 @@ def test_under_the_limit_auto_compiles(caplog):
 
 
 def test_past_the_limit_each_replica_runs_without_xla_said_once(two_replicas, low_limit, caplog):
-    with caplog.at_level(logging.WARNING, logger="kmp"):
-        model, losses = _fit(two_replicas, flat=False)
+    caplog.set_level(logging.WARNING, logger="kmp")
+    model, losses = _fit(two_replicas, flat=False)
     assert len(_declines(caplog)) == 1
-    assert replica_step.describe_path(model).startswith("per-variable update, no XLA, overflow-layer finder (XLA dropped")
+    assert replica_step.describe_path(model).startswith("per-variable update, no XLA, overflow-layer finder (XLA off")
     _, plain = _fit(two_replicas, jit_compile=False, flat=False)
     np.testing.assert_allclose(losses, plain, rtol=1e-6)
+    # What the warning offers: prepared again with jit_compile=True, the same model compiles.
+    kmp.prepare(model, jit_compile=True, flat_buffers=False)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    assert replica_step.describe_path(model) == "per-variable update, XLA per replica, overflow-layer finder"
+    assert len(_declines(caplog)) == 1

@@ -188,8 +188,8 @@ class Engine:
     @property
     def xla(self) -> bool:
         """Whether the forward/backward is compiled: unless prepare(jit_compile=False), a layer does not
-        support XLA, XLA failed on the model (kmp.engine.prepare), or its trace predicted minutes of compile
-        (kmp.engine.xla_choice). The update (kmp.engine.buffers) always is."""
+        support XLA, or XLA failed on the model (kmp.engine.prepare); and unless its trace predicts minutes of
+        compile (kmp.engine.xla_choice). The update (kmp.engine.buffers) always is."""
         model = self.model
         return (kmp_state.setting(model, "jit_compile") is not False and bool(seams.get("model_supports_jit")(model))
                 and replica_step.XLA not in replica_step.path_of(model)["dropped"])

@@ -293,7 +293,7 @@ def _build_function(self, step_function):
         function = _around_steps(plan.engine, function)
     if plan.every:
         function = _timed(self, plan, function)
-    replica_step.path_of(self)["taken"] = _path_taken(plan)
+    replica_step.path_of(self).update(taken=_path_taken(plan), off={})
     # The main thread never destroys an input iterator (that waits on tf.data's autotune thread).
     return overflow.raising_loss_scale_errors(iterators.releasing(function))
 

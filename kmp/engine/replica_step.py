@@ -48,15 +48,17 @@ REPLICA_XLA = "XLA per replica"  # in describe_path's line
 
 
 def path_of(model) -> dict:
-    """The path the model's train function took: "taken" (a description) and "dropped" ({path: why})."""
+    """The path the model's train function took: "taken" (a description), "dropped" ({path: why}, for
+    every later build) and "off" ({path: why}, for this build: kmp.engine.xla_choice)."""
     return state.ensure(model).path
 
 
 def describe_path(model) -> str:
     """One line: what a prepared model's last train function took, and what it fell back from, and why."""
     path = path_of(model)
-    dropped = "; ".join(f"{name} dropped: {why}" for name, why in path["dropped"].items())
-    return (path["taken"] or "not built yet") + (f" ({dropped})" if dropped else "")
+    notes = [f"{name} dropped: {why}" for name, why in path["dropped"].items()]
+    notes += [f"{name} off: {why}" for name, why in path["off"].items()]
+    return (path["taken"] or "not built yet") + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def splits_replicas(strategy) -> bool:
@@ -177,14 +179,15 @@ def compiled(model, fn):
 
 
 def _xla_declined(model, ops, longest) -> None:
+    # For this build only: the next one (a new compile() or prepare()) measures again.
     path = path_of(model)
-    if XLA in path["dropped"]:
-        return  # another replica's trace said so
     why = f"its graph ({ops} ops, {ops / max(longest, 1):.0f} wide on average) would take XLA minutes to compile"
-    path["dropped"][XLA] = why
+    path["off"][XLA] = why
     path["taken"] = path["taken"] and path["taken"].replace(REPLICA_XLA, "no XLA")
-    logger.warning("kmp: %s: the forward/backward runs without XLA: %s; the update keeps XLA. "
-                   "kmp.prepare(model, jit_compile=True) compiles it anyway.", model.name, why)
+    if not state.ensure(model).xla_noted:  # said once, not per replica or per build
+        state.ensure(model).xla_noted = True
+        logger.warning("kmp: %s: the forward/backward runs without XLA: %s; the update keeps XLA. "
+                       "kmp.prepare(model, jit_compile=True) compiles it anyway.", model.name, why)
 
 
 def replica_key() -> tuple:

@@ -35,9 +35,10 @@ class Prepared:
     engine: Any = None  # kmp.engine.engine.Engine: the flat buffers fit() trains
     engine_methods: bool = False  # kmp.engine.engine.install wrapped the model's methods
     overflow_layer: Any = None  # kmp.engine.overflow_layer.State: the layer found after an overflow
-    path: dict = dataclasses.field(default_factory=lambda: {"taken": None, "dropped": {}})  # replica_step.path_of
+    path: dict = dataclasses.field(default_factory=lambda: {"taken": None, "dropped": {}, "off": {}})  # path_of
     replica_steps: dict = dataclasses.field(default_factory=dict)  # replica_step's XLA functions, by replica_key()
     rows_noted: bool = False  # replica_step said once that uneven shares are weighted per replica
+    xla_noted: bool = False  # replica_step said once that the forward/backward runs without XLA (xla_choice)
     flat_noted: set = dataclasses.field(default_factory=set)  # why the flat buffers are off, each said once
 
     @property
