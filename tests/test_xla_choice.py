@@ -1,7 +1,7 @@
 """kmp.engine.xla_choice: a forward/backward whose trace predicts minutes of XLA compile runs without XLA.
 
-The limit is lowered here so that a tiny model is past it: its measure is
-checked on graphs of known shape, and its decision on fit() (flat buffers on
+The limits are lowered here so that a tiny model is past them: the measure is
+checked on graphs of known shape, and the decision on fit() (flat buffers on
 one device, the per-variable step under MirroredStrategy), against
 prepare(jit_compile=False) and True.
 """
@@ -25,22 +25,30 @@ def _graph(fn):
     return tf.function(fn).get_concrete_function(tf.TensorSpec([4], tf.float32)).graph
 
 
-def test_a_chain_is_as_long_as_its_ops():
-    def chain(x):
-        for _ in range(30):
-            x = tf.sin(x)
-        return x
+def _chain(x):
+    for _ in range(30):
+        x = tf.sin(x)
+    return x
 
-    assert xla_choice.cost(_graph(chain)) == (30, 30)
+
+def _branches(x):
+    return tf.add_n([tf.sin(tf.cos(x) * float(k)) for k in range(20)])  # 20 x (cos, mul, sin), then add_n
+
+
+def test_a_chain_is_as_long_as_its_ops():
+    assert xla_choice.cost(_graph(_chain)) == (30, 30)
 
 
 def test_parallel_branches_are_wide():
-    def branches(x):
-        return tf.add_n([tf.sin(tf.cos(x) * float(k)) for k in range(20)])  # 20 x (cos, mul, sin), then add_n
+    assert xla_choice.cost(_graph(_branches)) == (61, 4)
 
-    ops, longest = xla_choice.cost(_graph(branches))
-    assert (ops, longest) == (61, 4)
-    assert xla_choice.predicted(_graph(branches))[2] == pytest.approx(61 * 61 / 4)
+
+def test_only_a_wide_graph_past_the_limit_is_too_costly(monkeypatch):
+    monkeypatch.setattr(xla_choice, "LIMIT", 61 * 61 / 4 - 1)
+    assert xla_choice.too_costly(_graph(_branches)) == (61, 4)  # 15 wide
+    assert xla_choice.too_costly(_graph(_chain)) is None  # 1 wide: compile time linear in its ops
+    monkeypatch.setattr(xla_choice, "LIMIT", 61 * 61 / 4)
+    assert xla_choice.too_costly(_graph(_branches)) is None
 
 
 def _fit(strategy=None, jit_compile="auto", flat=True):
@@ -64,6 +72,7 @@ def _declines(caplog):
 @pytest.fixture
 def low_limit(monkeypatch):
     monkeypatch.setattr(xla_choice, "LIMIT", 1)
+    monkeypatch.setattr(xla_choice, "WIDE", 1)
 
 
 def test_past_the_limit_the_flat_engine_trains_as_without_xla(low_limit, caplog):

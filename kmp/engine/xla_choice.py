@@ -2,14 +2,16 @@
 
 XLA:CPU's compile time grows with a graph's ops times its average width
 (its ops over its longest path). The sum of 250 parallel branches
-LayerNormalization(Dense(8)(x)) traces to about 18K ops, 150 wide on
+LayerNormalization(Dense(8)(x)) traces to about 17K ops, 50 wide on
 average, and did not compile in 20 minutes; 250 stacked blocks of about as
 many ops, 2 wide, compile in under a minute (benchmarks/p5_small_variables.py).
-So, under `jit_compile="auto"`:
+A graph 2-3 wide, as real models' are, compiles in a time about linear in
+its ops, which a model of that size pays anyway. So, under
+`jit_compile="auto"`:
 
     xla = tf.function(forward_backward, jit_compile=True)
     graph = xla's trace for these arguments         # traced once either way
-    if ops * ops / longest_path > LIMIT:            # minutes of compile
+    if ops * ops / longest_path > LIMIT and ops / longest_path > WIDE:   # minutes of compile
         run a plain tf.function of forward_backward instead (traced again),
         and say so once
     else:
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-# ops * ops / longest path past which the forward/backward runs without XLA. The measured
-# forward/backwards behind it (ops, longest path, cost): real models' from tiny configs
-# 1K-7K ops, 2-3 wide, cost 3K-15K; 250 stacked blocks 17K ops, cost 35K (compiled in
-# 30-60 s); 25 and 50 parallel branches cost 36K and 109K (compiled in about 35 and 100 s).
+# ops * ops / longest path past which a wide forward/backward runs without XLA. The measured
+# forward/backwards behind it (benchmarks/RESULTS.md, P5): real models' from tiny configs,
+# 1K-7K ops 2-3 wide, cost 3K-15K; 250 stacked blocks, 17K ops 2 wide, cost 35K (first call
+# 30-70 s); 25, 50 and 100 parallel branches, 19-40 wide, cost 36K, 109K and 271K (first
+# calls 38, 52 and 404 s).
 LIMIT = 100_000
+WIDE = 4  # ops per step of the longest path: real models' forward/backwards are 2-3
 
 # Ops that do no work: not counted, nor as a step of a path.
 _FREE = frozenset({"Const", "Placeholder", "NoOp", "Identity"})
@@ -52,17 +56,18 @@ def cost(graph) -> tuple[int, int]:
     return ops, longest
 
 
-def predicted(graph) -> tuple[int, int, float]:
-    """(ops, longest path, ops * ops / longest path) of a traced graph."""
+def too_costly(graph) -> tuple[int, int] | None:
+    """(ops, longest path) of a traced graph past LIMIT and WIDE, or None where XLA should compile it."""
     ops, longest = cost(graph)
-    return ops, longest, ops * ops / max(longest, 1)
+    width = ops / max(longest, 1)
+    return (ops, longest) if ops * width > LIMIT and width > WIDE else None
 
 
 def function(fn, forced: bool, declined):
     """`fn` as a tf.function compiled with XLA unless its first trace predicts minutes of compile.
 
-    Unless `forced`, the first call's trace is measured; past LIMIT, `fn`
-    runs as a plain tf.function from then on and `declined(ops, longest)`
+    Unless `forced`, the first call's trace is measured; past LIMIT and WIDE,
+    `fn` runs as a plain tf.function from then on and `declined(ops, longest)`
     is called once (the caller says so).
     """
     xla = tf.function(fn, jit_compile=True, reduce_retracing=True)
@@ -73,11 +78,10 @@ def function(fn, forced: bool, declined):
     def call(*args):
         nonlocal chosen
         if chosen is None:
-            ops, longest, score = predicted(xla.get_concrete_function(*args).graph)
-            chosen = xla
-            if score > LIMIT:
-                chosen = tf.function(fn, reduce_retracing=True)
-                declined(ops, longest)
+            found = too_costly(xla.get_concrete_function(*args).graph)
+            chosen = xla if found is None else tf.function(fn, reduce_retracing=True)
+            if found is not None:
+                declined(*found)
         return chosen(*args)
 
     return call
