@@ -9,6 +9,7 @@
     wall_clock.py      the step clock (overflow timing)
     engine.py          Engine: when buffers are copied around fit()'s callbacks
     replica_step.py    the per-replica XLA train step prepare() installs
+    xla_choice.py      whether a forward/backward's trace is worth XLA's compile
     iterators.py       finished input iterators destroyed off the main thread
     overflow_layer.py  find_overflow: which layer's forward output overflowed
     prepare.py         prepare(model): fit() under strategies (kmp.prepare)
