@@ -2,7 +2,7 @@
 
 XLA:CPU's compile time grows with a graph's ops times its average width
 (its ops over its longest path). The sum of 250 parallel branches
-LayerNormalization(Dense(8)(x)) traces to about 17K ops, 50 wide on
+LayerNormalization(Dense(8)(x)) traces to about 16K ops, 50 wide on
 average, and did not compile in 20 minutes; 250 stacked blocks of about as
 many ops, 2 wide, compile in under a minute (benchmarks/p5_small_variables.py).
 A graph 2-3 wide, as real models' are, compiles in a time about linear in
