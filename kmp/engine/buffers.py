@@ -234,16 +234,15 @@ class FlatBuffers:
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
         # Each length from its variable: a traced gradient's static shape may be unknown (a tied
         # embedding's IndexedSlices made dense, keras-hub's transformers).
-        if not overflow.in_xla():
-            # Each op runs on its own outside XLA: one division of the joined gradient, not one per variable.
-            parts = [None if grads[i] is None else _reshaped(tf.convert_to_tensor(unscale(grads[i], None)), [n])
-                     for i, n in zip(self.order, self.sizes)]
-            return unscale(_pad_to(tf.concat(self._padded(parts), axis=0), self.length), scale)
-        parts = [None if grads[i] is None else _reshaped(tf.convert_to_tensor(unscale(grads[i], scale)), [n])
+        # Each op runs on its own outside XLA: there, one division of the joined gradient, not one per variable.
+        xla = overflow.in_xla()
+        each = scale if xla else None
+        parts = [None if grads[i] is None else _reshaped(tf.convert_to_tensor(unscale(grads[i], each)), [n])
                  for i, n in zip(self.order, self.sizes)]
-        if self.layout.shares_cores and max(self.sizes) >= IN_PLACE_FROM:
+        if xla and self.layout.shares_cores and max(self.sizes) >= IN_PLACE_FROM:
             return self._written_in_place(parts)
-        return _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
+        joined = _pad_to(tf.concat(self._padded(parts), axis=0), self.length)
+        return joined if xla else unscale(joined, scale)
 
     def _written_in_place(self, parts) -> tf.Tensor:
         """join's flat tensor inside XLA on replicas that are CPUs of one process: each
