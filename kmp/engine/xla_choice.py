@@ -1,12 +1,10 @@
 """Whether kmp's forward/backward is compiled with XLA, by the compile time its traced graph predicts.
 
 XLA:CPU's compile time grows with a graph's ops times its average width
-(its ops over its longest path). The sum of 250 parallel branches
-LayerNormalization(Dense(8)(x)) traces to about 16K ops, 50 wide on
-average, and did not compile in 20 minutes; 250 stacked blocks of about as
-many ops, 2 wide, compile in under a minute (benchmarks/p5_small_variables.py).
-A graph 2-3 wide, as real models' are, compiles in a time about linear in
-its ops, which a model of that size pays anyway. So, under
+(its ops over its longest path): hundreds of parallel branches compile
+for longer than they train, while as many ops stacked 2 wide, as real
+models are, compile in a time about linear in their ops, which a model of
+that size pays anyway (benchmarks/RESULTS.md, P5). So, under
 `jit_compile="auto"`:
 
     xla = tf.function(forward_backward, jit_compile=True)
@@ -25,11 +23,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-# ops * ops / longest path past which a wide forward/backward runs without XLA. The measured
-# forward/backwards behind it (benchmarks/RESULTS.md, P5): real models' from tiny configs,
-# 1K-7K ops 2-3 wide, cost 3K-15K; 250 stacked blocks, 17K ops 2 wide, cost 35K (first call
-# 30-70 s); 25, 50 and 100 parallel branches, 19-40 wide, cost 36K, 109K and 271K (first
-# calls 38, 52 and 404 s).
+# ops * ops / longest path past which a wide forward/backward runs without XLA: above real
+# models' and 250 stacked blocks', below 50 parallel branches' (benchmarks/RESULTS.md, P5).
 LIMIT = 100_000
 WIDE = 4  # ops per step of the longest path: real models' forward/backwards are 2-3
 
