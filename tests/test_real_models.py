@@ -10,10 +10,11 @@ strategy, see real_models.reference); the same skipped steps as stock, within on
 loads (kmp imported) and takes one more step equal to the live model's; and
 the path kmp took, listed at the end of the run's output (tests/conftest.py).
 
-Each model's cases are measured in a fresh process (tests/real_model_worker.py
-local; the measuring is tests/real_models.measure), and asserted here: XLA's
+The cases are measured in fresh processes (tests/real_model_worker.py local;
+the measuring is tests/real_models.measure), and asserted here: XLA's
 compilation cache is never freed, and the conv nets' executables made the
-suite's processes grow past 13 GB.
+suite's processes grow past 13 GB. A conv net's cases that share a reference
+get a process of their own; the light models share two (_group).
 
 The matrix is a selection that keeps the suite's time in check: every
 model at fp16 on one device (keras-hub's Mixtral at float32: see MATRIX),
@@ -91,8 +92,17 @@ def _run(specs, directory):
     return results
 
 
+# The light models (transformers, the small step and GAN models) share two processes: each new
+# process costs seconds of CPU to import TensorFlow and keras-hub, more than most of their cases.
+_SHARED = {"gpt2": "light-1", "bert": "light-1", "bart": "light-1", "gan": "light-1",
+           "llama": "light-2", "vit": "light-2", "mixtral": "light-2", "own_step": "light-2"}
+
+
 def _group(name, axis_name) -> str:
-    """The cases that share stock Keras's reference are measured in one process."""
+    """The cases measured in one process: a conv net's cases that share stock Keras's reference (their
+    XLA executables are large), or all of a light model's."""
+    if name in _SHARED:
+        return _SHARED[name]
     return "-".join(map(str, real_models.reference_key(CASES[name], AXES[axis_name])))
 
 
