@@ -28,6 +28,8 @@ models at the end. Tolerances (rtol on each step's loss):
   activations' rounding alone moves a tiny model's loss by up to ~1%.
 - 8-bit states against 32-bit Keras fp16: 3e-2. The moments are quantized
   (docs/eight-bit.md); the first steps move a little differently.
+- Two conv nets' cases where kmp and the reference run float16 through
+  different kernels: 5e-2 and 3e-2 (_LOOSER, with what was measured).
 """
 
 import json
@@ -61,10 +63,17 @@ MATRIX = [
     ("gpt2", "8-bit states", "flat"), ("bert", "8-bit states", "per-variable"),
 ]
 
-# ResNet50V2 at initialization in float16: its first loss, before any update, already differs by
-# 2.2% between two XLA compilations of the same forward pass (50 BatchNormalization layers amplify
-# float16 rounding), and every step of the three overflows, in stock Keras and in kmp alike.
-_LOOSER = {("resnet50v2", "mixed_float16"): 5e-2}
+# Where kmp's step and the reference run float16 through different kernels (XLA's, TensorFlow's),
+# BatchNormalization amplifies their rounding:
+# - ResNet50V2 on the per-variable path (no XLA on one device) against Keras's XLA step: the first
+#   loss, before any update, is 1.3% apart, as between stock Keras's own steps with and without XLA
+#   (kmp's losses equal stock's without XLA). From 2^15 every step of the three overflows, in stock
+#   Keras and in kmp alike; from 2^8 they train, and stock's two steps are 6.8% apart by the second.
+# - MobileNetV3Small on two replicas, kmp's XLA per replica against stock Keras under the strategy
+#   (without XLA, which fails there): 1.1% by the third step; kmp without XLA is within 0.1%.
+# EfficientNetV2B0's gradients overflow float16 from 2^15 and from 2^8, in stock Keras and in kmp
+# alike: its case compares the forward passes and the skips.
+_LOOSER = {("resnet50v2", "fp16"): 5e-2, ("mobilenetv3small", "fp16 mirrored"): 3e-2}
 
 ROOT = Path(__file__).resolve().parent.parent
 _MEASURED = {}
@@ -133,7 +142,7 @@ def test_a_real_model_trains_as_under_stock_keras(name, axis_name, path, tmp_pat
     record_property(real_models.PATH_TAKEN, f"{name} / {axis_name} / {path} asked: {result['path']}; "
                                             f"losses {np.round(losses, 4).tolist()}")
     assert np.all(np.isfinite(losses)), losses
-    np.testing.assert_allclose(losses, result["reference"], rtol=_LOOSER.get((name, axis.policy), axis.rtol))
+    np.testing.assert_allclose(losses, result["reference"], rtol=_LOOSER.get((name, axis_name), axis.rtol))
     assert abs(result["skipped"] - result["reference_skipped"]) <= 1
     if path == "flat" and not CASES[name].own_step:
         assert result["flat"], result["path"]
