@@ -68,7 +68,8 @@ MATRIX = [
 # - ResNet50V2 on the per-variable path (no XLA on one device) against Keras's XLA step: the first
 #   loss, before any update, is 1.3% apart, as between stock Keras's own steps with and without XLA
 #   (kmp's losses equal stock's without XLA). From 2^15 every step of the three overflows, in stock
-#   Keras and in kmp alike; from 2^8 they train, and stock's two steps are 6.8% apart by the second.
+#   Keras and in kmp alike; from 2^8 they train, and stock with and without XLA are 6.8% apart by the
+#   second step.
 # - MobileNetV3Small on two replicas, kmp's XLA per replica against stock Keras under the strategy
 #   (without XLA, which fails there): 1.1% by the third step; kmp without XLA is within 0.1%.
 # EfficientNetV2B0's gradients overflow float16 from 2^15 and from 2^8, in stock Keras and in kmp
