@@ -72,6 +72,7 @@ import tensorflow as tf
 from kmp import seams
 from kmp.engine import replica_step
 from kmp.engine import state as kmp_state
+from kmp.engine import xla_choice
 from kmp.engine import buffers as flat
 from kmp.scaling import overflow
 
@@ -182,7 +183,7 @@ class Engine:
         cache = self.__dict__.setdefault("_steps", {})
         if key not in cache:
             cache[key] = (replica_step.compiled(self.model, self._forward_backward) if self.xla
-                          else tf.function(self._forward_backward, reduce_retracing=True))
+                          else xla_choice.plain(self._forward_backward))
         return cache[key]
 
     @property

@@ -175,7 +175,7 @@ def compiled(model, fn):
     """`fn`, a forward/backward of `model`, compiled with XLA unless kmp.engine.xla_choice predicts
     minutes of compile under jit_compile="auto" (then plain, and the path says so)."""
     if XLA in path_of(model)["off"]:  # another replica's trace of this build declined it: not traced for XLA again
-        return tf.function(fn, reduce_retracing=True)
+        return xla_choice.plain(fn)
     forced = state.setting(model, "jit_compile") is True or bool(model.jit_compile)
     return xla_choice.function(fn, forced, lambda ops, longest: _xla_declined(model, ops, longest))
 

@@ -58,6 +58,11 @@ def too_costly(graph) -> tuple[int, int] | None:
     return (ops, longest) if ops * width > LIMIT and width > WIDE else None
 
 
+def plain(fn):
+    """`fn` as a tf.function without XLA."""
+    return tf.function(fn, reduce_retracing=True)
+
+
 def function(fn, forced: bool, declined):
     """`fn` as a tf.function compiled with XLA unless its first trace predicts minutes of compile.
 
@@ -74,7 +79,7 @@ def function(fn, forced: bool, declined):
         nonlocal chosen
         if chosen is None:
             found = too_costly(xla.get_concrete_function(*args).graph)
-            chosen = xla if found is None else tf.function(fn, reduce_retracing=True)
+            chosen = xla if found is None else plain(fn)
             if found is not None:
                 declined(*found)
         return chosen(*args)
