@@ -94,7 +94,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_call_has_training_arg",
         "_autoconvert_optionals",
         "_initial_epoch",          # kmp.callbacks.BackupAndRestore: the epoch fit() resumes at
-        "_symbolic_build",         # kmp.engine.overflow_layer: builds the optimizer before the step reads its counter
+        "_symbolic_build",         # kmp.prepare on one device, kmp.engine.overflow_layer: builds before the step
         "_compile_metrics",        # kmp.prepare: whether Keras still needs a batch to build them
         "_compile_loss",
     ),
@@ -131,6 +131,9 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     "keras TFOptimizer": (
         "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored
         "_distribution_strategy",  # kmp.Adam8bit.build: the strategy its variables are made under
+    ),
+    "keras TFEpochIterator": (
+        "_distributed_dataset",    # kmp.prepare: the data's shapes, to build a model before its first step
     ),
     "tf.experimental.Optional": (
         "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace

@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
 import kmp
 from kmp import seams
@@ -80,6 +81,7 @@ def _objects(strategy):
         "keras.optimizers.Lion": [_built(keras.optimizers.Lion)],
         "keras.optimizers.Lamb": [_built(keras.optimizers.Lamb)],
         "keras TFOptimizer": [keras.optimizers.SGD()],
+        "keras TFEpochIterator": [TFEpochIterator(tf.distribute.get_strategy(), x=np.zeros((4, 1)), batch_size=2)],
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
         "keras.Variable (TensorFlow backend)": [keras.Variable([1.0, 2.0])],
         "tf.distribute DistributedVariable": [mirrored],

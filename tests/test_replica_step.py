@@ -229,6 +229,30 @@ def test_one_device_leaves_keras_in_charge():
     assert not _replica_steps(model)
 
 
+
+class _RecordsGraphs(keras.layers.Layer):
+    """Records the graph each of its calls is traced in (Keras's step: "one_step_on_data")."""
+
+    graphs = []
+
+    def call(self, x):
+        type(self).graphs.append("eager" if tf.executing_eagerly() else tf.compat.v1.get_default_graph().name)
+        return x
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_one_device_traces_the_step_once(jit_compile):
+    # Without a strategy Keras builds the optimizer and metrics inside the first step, and variables
+    # made in a tf.function's first trace make TensorFlow trace it twice: kmp.prepare builds them first.
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _model(extra_layers=[_RecordsGraphs])
+    kmp.prepare(model, jit_compile=jit_compile, flat_buffers=False, find_overflow_layer=False)
+    _RecordsGraphs.graphs = []
+    model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+    assert [g for g in _RecordsGraphs.graphs if g.startswith("one_step_on_data")] == ["one_step_on_data"]
+    assert replica_step.path_of(model)["taken"].startswith("per-variable update")
+
+
 def test_recompiling_a_prepared_model_uses_the_new_loss(two_replicas):
     """Issue 10 #1: the per-replica XLA functions were cached across compile()."""
     keras.config.set_dtype_policy("float32")
