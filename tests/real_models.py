@@ -36,6 +36,9 @@ class Case:
     # The float16 loss scale kmp and stock Keras both start from (None: their defaults, 2^15). From
     # 2^15 MobileNetV3Small's first step overflows; from 2^8 its three steps train.
     initial_scale: float | None = None
+    # Rows per step. ResNet50V2's float16 convolutions run without XLA on the per-variable path, at
+    # about 1 s per row on a 2-core CPU (8 rows: 7 s a step against 0.4 s in float32): 2 rows.
+    batch: int = BATCH
 
 
 def _tokens(rows, seed=0):
@@ -232,7 +235,7 @@ CASES = {c.name: c for c in [
     Case("vit", vit, _images, _lm_loss()),
     Case("bart", bart, _bart_data, _lm_loss()),
     Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
-    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True),
+    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True, batch=2),
     Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True, initial_scale=2.0**8),
     Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True),
     Case("own_step", OwnStep, _images, None, own_step=True),
@@ -285,8 +288,10 @@ def skipped_steps(model) -> int:
     return total
 
 
-def fit_steps(case, model, steps, batch):
-    """fit() over `steps` batches of the case's data; each step's own loss."""
+def fit_steps(case, model, steps, batch=None):
+    """fit() over `steps` batches of the case's data (`batch` rows each: the case's own by default);
+    each step's own loss."""
+    batch = batch or case.batch
     x, y = case.data(batch * steps)
     recorder = _StepLosses("d_loss" if case.name == "gan" else "loss")
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
@@ -361,7 +366,7 @@ def reference(case, axis, strategy):
                 # Built inside the first step, Keras's LossScaleOptimizer makes TensorFlow trace
                 # the whole step twice (variables created on a first call): same values, one trace.
                 model.optimizer.build(model.trainable_variables)
-        _REFERENCES[key] = fit_steps(case, model, STEPS, BATCH), skipped_steps(model)
+        _REFERENCES[key] = fit_steps(case, model, STEPS), skipped_steps(model)
     return _REFERENCES[key]
 
 
@@ -401,7 +406,7 @@ def measure(name, axis_name, path, strategy, directory) -> dict:
 
         strategy = tf.distribute.get_strategy()
     model = kmp_model(case, axis, path, strategy)
-    losses = fit_steps(case, model, STEPS, BATCH)
+    losses = fit_steps(case, model, STEPS)
     result = {"losses": losses, "path": replica_step.describe_path(model),
               "flat": replica_step.path_of(model)["taken"].startswith("flat buffers"),
               "skipped": skipped_steps(model)}
@@ -442,7 +447,7 @@ def _reload_and_step(case, model, axis, path, strategy, directory):
     # and train_on_batch would trace another program for it alone (the whole batch on each replica),
     # whose bfloat16 sums round in another order: ~4e-6 apart after one step (GPT-2, two replicas).
     for m in (model, loaded):
-        fit_steps(case, m, 1, BATCH)
+        fit_steps(case, m, 1)
     for live, again in zip(model.get_weights(), loaded.get_weights()):
         np.testing.assert_allclose(again, live, rtol=1e-6, atol=1e-7, err_msg="after one more step")
 

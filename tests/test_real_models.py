@@ -47,19 +47,22 @@ from real_models import AXES, CASES
 pytest.importorskip("keras_hub")
 pytestmark = pytest.mark.slow
 
+# Every model at fp16 on one device; each other axis on each path, on models of different kinds. A
+# second model on an axis and path only where it brings what the first does not: BatchNormalization
+# on replicas, a model's own train_step.
 # keras-hub 0.32's mixture-of-experts models (Mixtral, Qwen3-MoE) fail in mixed precision
 # under stock Keras (their load-balancing loss multiplies float16 by float32): float32 only.
 MATRIX = [
     *[(name, "fp16", "flat") for name in ("gpt2", "bert", "llama", "vit", "bart", "mobilenetv3small",
                                           "efficientnetv2b0")],
-    *[(name, "fp16", "per-variable") for name in ("gpt2", "resnet50v2", "own_step", "gan")],
+    *[(name, "fp16", "per-variable") for name in ("resnet50v2", "own_step", "gan")],
     ("mixtral", "fp32", "per-variable"), ("mixtral", "fp32 mirrored", "flat"),
-    ("gpt2", "bf16 mirrored", "flat"), ("vit", "bf16 mirrored", "flat"),
+    ("gpt2", "bf16 mirrored", "flat"),
     ("llama", "bf16 mirrored", "per-variable"), ("gan", "bf16 mirrored", "per-variable"),
     ("bert", "fp16 mirrored", "flat"), ("mobilenetv3small", "fp16 mirrored", "flat"),
     ("own_step", "fp16 mirrored", "per-variable"),
-    ("gpt2", "accumulation 2 + clipping", "flat"), ("mobilenetv3small", "accumulation 2 + clipping", "per-variable"),
-    ("llama", "zero 1", "flat"), ("vit", "zero 1", "flat"),
+    ("gpt2", "accumulation 2 + clipping", "flat"), ("bert", "accumulation 2 + clipping", "per-variable"),
+    ("vit", "zero 1", "flat"),
     ("gpt2", "8-bit states", "flat"), ("bert", "8-bit states", "per-variable"),
 ]
 
