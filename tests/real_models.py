@@ -36,9 +36,6 @@ class Case:
     # The float16 loss scale kmp and stock Keras both start from (None: their defaults, 2^15). From
     # 2^15 MobileNetV3Small's first step overflows; from 2^8 its three steps train.
     initial_scale: float | None = None
-    # Rows per step. ResNet50V2's float16 convolutions run without XLA on the per-variable path, at
-    # about 1 s per row on a 2-core CPU (8 rows: 7 s a step against 0.4 s in float32): 2 rows.
-    batch: int = BATCH
 
 
 def _tokens(rows, seed=0):
@@ -235,7 +232,7 @@ CASES = {c.name: c for c in [
     Case("vit", vit, _images, _lm_loss()),
     Case("bart", bart, _bart_data, _lm_loss()),
     Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
-    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True, batch=2),
+    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True),
     Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True, initial_scale=2.0**8),
     Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True),
     Case("own_step", OwnStep, _images, None, own_step=True),
@@ -288,10 +285,8 @@ def skipped_steps(model) -> int:
     return total
 
 
-def fit_steps(case, model, steps, batch=None):
-    """fit() over `steps` batches of the case's data (`batch` rows each: the case's own by default);
-    each step's own loss."""
-    batch = batch or case.batch
+def fit_steps(case, model, steps, batch=BATCH):
+    """fit() over `steps` batches of the case's data; each step's own loss."""
     x, y = case.data(batch * steps)
     recorder = _StepLosses("d_loss" if case.name == "gan" else "loss")
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])

@@ -4,6 +4,7 @@ The per-variable path (flat_buffers=False): tests/test_engine.py covers the flat
 """
 
 import functools
+import logging
 
 import keras
 import numpy as np
@@ -251,6 +252,31 @@ def test_one_device_traces_the_step_once(jit_compile):
     model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
     assert [g for g in _RecordsGraphs.graphs if g.startswith("one_step_on_data")] == ["one_step_on_data"]
     assert replica_step.path_of(model)["taken"].startswith("per-variable update")
+
+
+class _OnlyTrains(keras.Model):
+    """Builds only in training: Keras's build from shapes (which calls it with training=False) fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        if not training:
+            raise RuntimeError("this model only trains")
+        return self.dense(x)
+
+
+def test_a_model_keras_cannot_build_from_shapes_builds_in_its_first_step(caplog):
+    keras.config.set_dtype_policy("float32")
+    model = _OnlyTrains()
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    kmp.prepare(model)
+    with caplog.at_level(logging.INFO, logger="kmp.engine.prepare"):
+        history = model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert "is built in its first step, as Keras does without a strategy" in caplog.text
 
 
 def test_recompiling_a_prepared_model_uses_the_new_loss(two_replicas):

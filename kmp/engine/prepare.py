@@ -104,7 +104,10 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
        Every replica's share of a global batch has the same shapes. Keras's
        reduce fails across workers (keras-team/keras#20585), and it turns
        integer labels into float64; one local replica's share needs no
-       communication and has the dtypes the train step will see.
+       communication and has the dtypes the train step will see. Without a
+       strategy Keras builds inside the first step instead; the prepared
+       model builds before it, from the dataset's element spec, so the step
+       is traced once (`_build_on_one_device`).
     2. `_make_function`, which builds the train and test functions:
        - with several replicas, the XLA train step above;
        - `find_overflow_layer`: the train step wrapped as said above;
@@ -214,10 +217,12 @@ def _build_on_one_device(model, iterator, data_batch) -> None:
     """
     if not _unbuilt(model) and (model.optimizer is None or model.optimizer.built):
         return
-    if data_batch is None and iterator is not None:
-        data_batch = iterator._distributed_dataset.element_spec  # shapes and dtypes: no batch drawn
     if data_batch is None:
-        return
+        # The shapes and dtypes of Keras's epoch iterator's dataset: no batch drawn.
+        dataset = getattr(iterator, "_distributed_dataset", None)
+        if dataset is None:
+            return
+        data_batch = dataset.element_spec
     try:
         model._symbolic_build(data_batch=data_batch)
     except Exception as error:  # noqa: BLE001 - the first step builds it, as in stock Keras
