@@ -230,7 +230,6 @@ def test_one_device_leaves_keras_in_charge():
     assert not _replica_steps(model)
 
 
-
 class _RecordsGraphs(keras.layers.Layer):
     """Records the graph each of its calls is traced in (Keras's step: "one_step_on_data")."""
 
