@@ -211,9 +211,8 @@ def _build_on_one_device(model, iterator, data_batch) -> None:
     """What Keras builds inside the first step without a strategy (layers, compiled metrics and
     loss, the optimizer), built before it from the data's shapes, as Keras does under one.
 
-    Variables made in a tf.function's first trace make TensorFlow trace the whole step twice: a
-    keras-hub ViT's first fit() took 1.8x as long on the per-variable path. A model Keras cannot
-    build from shapes alone is left to build in its first step, as without kmp.
+    Variables made in a tf.function's first trace make TensorFlow trace the whole step twice. A
+    model Keras cannot build from shapes alone is left to build in its first step, as without kmp.
     """
     if not _unbuilt(model) and (model.optimizer is None or model.optimizer.built):
         return
