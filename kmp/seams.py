@@ -79,6 +79,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
     ),
+    "get_global_attribute": (
+        "keras.src.backend.common.global_state", "get_global_attribute",
+        "kmp.prepare on one device: a build from shapes that fails leaves no Keras name scope open",
+    ),
 }
 
 # kind of object -> private attributes kmp uses on it (documentation; tested).

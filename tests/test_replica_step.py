@@ -253,7 +253,7 @@ def test_one_device_traces_the_step_once(jit_compile):
     assert replica_step.path_of(model)["taken"].startswith("per-variable update")
 
 
-class _OnlyTrains(keras.Model):
+class OnlyTrains(keras.Model):
     """Builds only in training: Keras's build from shapes (which calls it with training=False) fails."""
 
     def __init__(self):
@@ -268,7 +268,7 @@ class _OnlyTrains(keras.Model):
 
 def test_a_model_keras_cannot_build_from_shapes_builds_in_its_first_step(caplog):
     keras.config.set_dtype_policy("float32")
-    model = _OnlyTrains()
+    model = OnlyTrains()
     model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1)), loss="mse")
     kmp.prepare(model)
     with caplog.at_level(logging.INFO, logger="kmp.engine.prepare"):
@@ -276,6 +276,29 @@ def test_a_model_keras_cannot_build_from_shapes_builds_in_its_first_step(caplog)
     assert np.all(np.isfinite(history.history["loss"]))
     assert history.history["loss"][1] < history.history["loss"][0]
     assert "is built in its first step, as Keras does without a strategy" in caplog.text
+
+
+def test_a_model_stock_keras_cannot_train_fails_as_under_stock_keras():
+    # TensorFlow refuses a name scope that starts with "_", after Keras has opened its own: the
+    # failed build from shapes closes what it opened, and the first step fails as stock Keras's does.
+    from keras.src.backend.common import global_state
+
+    keras.config.set_dtype_policy("float32")
+    stack = global_state.get_global_attribute("name_scope_stack", default=[], set_to_default=True)
+    errors, left_open = [], []
+    for prepared in (False, True):
+        depth = len(stack)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)], name="_refused")
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+        if prepared:
+            kmp.prepare(model)
+        with pytest.raises(ValueError, match="not a valid root scope name") as info:
+            model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+        errors.append(str(info.value))
+        left_open.append(len(stack) - depth)
+        del stack[depth:]  # what Keras's own failed step leaves open, closed for the tests after this one
+    assert errors[0] == errors[1]
+    assert left_open[1] == left_open[0]
 
 
 def test_recompiling_a_prepared_model_uses_the_new_loss(two_replicas):

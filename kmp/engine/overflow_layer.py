@@ -255,8 +255,8 @@ def diagnosing_step(model: keras.Model, step_function):
     @functools.wraps(step_function)
     def step(data):
         if not optimizer.built:
-            # Keras builds the optimizer inside the first step without a
-            # strategy; its counter must exist before the step to be read.
+            # A model kmp.prepare could not build from shapes builds inside
+            # its first step; the optimizer's counter must exist to be read.
             model._symbolic_build(data_batch=data)
         before = tf.convert_to_tensor(optimizer.skipped_steps.value)
         ending = optimizer.log_overflows and not overflow.in_xla()

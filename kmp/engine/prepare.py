@@ -222,9 +222,13 @@ def _build_on_one_device(model, iterator, data_batch) -> None:
         if dataset is None:
             return
         data_batch = dataset.element_spec
+    stack = seams.get("get_global_attribute")("name_scope_stack", default=[], set_to_default=True)
+    depth = len(stack)
     try:
         model._symbolic_build(data_batch=data_batch)
     except Exception as error:  # noqa: BLE001 - the first step builds it, as in stock Keras
+        # Keras opens a layer's name scope before TensorFlow's, which may refuse the name: close it.
+        del stack[depth:]
         logger.info("kmp: %s is built in its first step, as Keras does without a strategy: %s", model.name, error)
 
 
@@ -492,7 +496,8 @@ def _engine_for(model):
     if reason is not None:
         return _no_engine(model, reason)
     if not model.optimizer.built:
-        # Without a strategy Keras builds it in the first step; the buffers need its slots now.
+        # Unbuilt only where the build from shapes could not run (_build_on_one_device);
+        # the buffers need its slots now.
         with model.distribute_strategy.scope():
             model.optimizer.build(model.trainable_variables)
     current = engine.engine_of(model)
