@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+# autograph=False below: Keras never converts a model's Python (its step is do_not_convert), and
+# converting a keras-hub model's call costs seconds of tracing.
+
 # ops * ops / longest path past which a wide forward/backward runs without XLA: above real
 # models' and 250 stacked blocks', below 50 parallel branches' (benchmarks/RESULTS.md, P5).
 LIMIT = 100_000
@@ -60,7 +63,7 @@ def too_costly(graph) -> tuple[int, int] | None:
 
 def plain(fn):
     """`fn` as a tf.function without XLA."""
-    return tf.function(fn, reduce_retracing=True)
+    return tf.function(fn, reduce_retracing=True, autograph=False)
 
 
 def function(fn, forced: bool, declined):
@@ -70,7 +73,7 @@ def function(fn, forced: bool, declined):
     `fn` runs as a plain tf.function from then on and `declined(ops, longest)`
     is called once (the caller says so).
     """
-    xla = tf.function(fn, jit_compile=True, reduce_retracing=True)
+    xla = tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
     if forced:
         return xla
     chosen = None
