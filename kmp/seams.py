@@ -138,6 +138,7 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "keras TFEpochIterator": (
         "_distributed_dataset",    # kmp.prepare: the data's shapes, to build a model before its first step
+        "_get_iterator",           # kmp.engine.iterators: each epoch's iterator made when first used
     ),
     "tf.experimental.Optional": (
         "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace

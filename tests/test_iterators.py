@@ -80,3 +80,28 @@ def test_fit_destroys_each_epochs_iterator_off_the_main_thread(replicas, two_rep
     assert _wait_until_released() == 0
     # At least the three epochs' iterators (and validation's, as many as Keras made), none on the main thread.
     assert len(where) >= 3 and set(where) == {"kmp-iterator-release"}, where
+
+
+def test_fit_makes_no_input_iterator_it_does_not_read(two_replicas, monkeypatch):
+    # Keras makes each epoch's iterator as the previous epoch ends, after the last one too, where
+    # nothing reads it (~0.13 s of CPU each under MirroredStrategy): a prepared model's are made when read.
+    made = []
+    distributed = type(two_replicas.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2)))
+    make = distributed.__iter__
+    monkeypatch.setattr(distributed, "__iter__", lambda self: made.append(1) or make(self))
+    x = np.random.default_rng(0).random((32, 4)).astype("float32")
+    counts, losses = [], []
+    for prepared in (False, True):
+        with two_replicas.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+        if prepared:
+            kmp.prepare(model)
+        model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)  # built here (stock Keras draws a batch for it)
+        made.clear()
+        history = model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, validation_data=(x, x[:, :1]))
+        counts.append(len(made))
+        losses.append(history.history["val_loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    assert counts[1] == 4 and counts[0] > 4, counts  # two epochs and two evaluations read one each

@@ -19,6 +19,12 @@ called with to one daemon thread, which holds a reference of its own:
 The main thread then never holds the last reference, so it never waits.
 At interpreter exit the thread drops what it holds before TensorFlow shuts
 down; what is still waiting then is waited for (stock Keras waited in fit()).
+
+Keras also makes each epoch's iterator when the previous epoch ends, after
+the last one too, where nothing reads it: a distributed iterator costs about
+0.2 s of CPU under MirroredStrategy, once per fit() and evaluate(). On a
+prepared model's epoch iterators it is made when a step first takes it
+(`defer_next_epochs`).
 """
 
 from __future__ import annotations
@@ -88,10 +94,40 @@ _RELEASER = _Releaser()
 atexit.register(_RELEASER.stop)
 
 
+class _Deferred:
+    """An epoch's input iterator, made from its dataset when first read or handed to a step."""
+
+    def __init__(self, dataset):
+        self._dataset, self._iterator = dataset, None
+
+    def made(self):
+        if self._iterator is None:
+            self._iterator = iter(self._dataset)
+        return self._iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.made())
+
+    def __getattr__(self, name):  # get_next, element_spec, ...: the iterator's own
+        return getattr(self.made(), name)
+
+
+def defer_next_epochs(epoch_iterator) -> None:
+    """On this Keras epoch iterator (fit's, evaluate's), each epoch's input iterator is made when first used."""
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    if dataset is not None and "_get_iterator" not in vars(epoch_iterator):
+        epoch_iterator._get_iterator = lambda: _Deferred(dataset)
+
+
 def releasing(function):
     """`function` (a train or test function), handing each input iterator it is called with to the thread."""
 
     def call(iterator):
+        if isinstance(iterator, _Deferred):
+            iterator = iterator.made()
         if isinstance(iterator, _ITERATORS):
             _RELEASER.hold(iterator)
         return function(iterator)

@@ -122,7 +122,9 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
 
     The train and test functions it builds hand each input iterator to a
     thread of kmp's, which destroys it once nothing else holds it
-    (kmp.engine.iterators): fit() never waits for tf.data's teardown.
+    (kmp.engine.iterators): fit() never waits for tf.data's teardown. Each
+    epoch's iterator is made when a step first reads it: Keras makes one
+    after the last epoch too, which nothing reads.
     """
     stock = getattr(type(model), "_maybe_symbolic_build", None)
     if not isinstance(model, keras.Model) or stock is None:
@@ -192,6 +194,8 @@ def is_prepared(model: keras.Model) -> bool:
 
 
 def _build_from_local_batch(self, iterator=None, data_batch=None):
+    if iterator is not None:  # Keras's epoch iterator for this fit() or evaluate()
+        iterators.defer_next_epochs(iterator)
     if self._distribute_strategy is None:
         return _build_on_one_device(self, iterator, data_batch)
     # Keras's method skips its reduce when handed a batch instead of an
