@@ -150,7 +150,9 @@ def test_bit_for_bit_without_fma_contraction():
     two); limiting it to AVX (no FMA) in a fresh process removes the only
     difference, so any reordering of Keras's arithmetic would fail here.
     """
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=AVX", TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    # The suite's cheap-compile flags (tests/conftest.py) stay: they change no float arithmetic.
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_max_isa=AVX".strip(),
+               TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     script = _BITWISE_SCRIPT.format(tests=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
