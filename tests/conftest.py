@@ -58,7 +58,9 @@ def _free_distributed_iterators_young(request):
 
     What survives is then frozen, so that the next full collection walks only
     what later tests made: unfrozen, each took about 0.6 s of CPU, and grew with
-    the heap the suite's earlier tests left.
+    the heap the suite's earlier tests left. Reference counting still frees
+    frozen objects, but a frozen cycle dropped later stays in memory: a
+    bounded cost in a test process.
     """
     yield
     if "two_replicas" in request.fixturenames:
