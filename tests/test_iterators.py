@@ -98,5 +98,5 @@ def test_fit_makes_no_input_iterator_it_does_not_read(two_replicas, monkeypatch)
     made.clear()
     history = model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, validation_data=(x, x[:, :1]))
     assert len(history.history["val_loss"]) == 2 and np.all(np.isfinite(history.history["val_loss"]))
-    # Two epochs and two evaluations, one iterator each (stock Keras makes 11 here: 8 before kmp deferred them).
+    # Two epochs and two evaluations, one iterator each (stock Keras makes 11 here).
     assert len(made) == 4, len(made)
