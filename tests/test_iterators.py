@@ -18,7 +18,16 @@ import kmp
 from kmp.engine import iterators
 
 
-def _wait_until_released(releaser=iterators._RELEASER, seconds=30.0):
+@pytest.fixture(autouse=True)
+def releaser(monkeypatch):
+    """A releaser of the test's own: the worker's may still hold what earlier tests left behind."""
+    own = iterators._Releaser()
+    monkeypatch.setattr(iterators, "_RELEASER", own)
+    yield own
+    own.stop()
+
+
+def _wait_until_released(releaser, seconds=30.0):
     end = time.monotonic() + seconds
     while releaser.holding() and time.monotonic() < end:
         time.sleep(0.02)
@@ -29,7 +38,7 @@ def _destroyed_on(obj, where: list):
     weakref.finalize(obj, lambda: where.append(threading.current_thread().name))
 
 
-def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread():
+def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread(releaser):
     where = []
     seen = iterators.releasing(lambda it: next(it))
     iterator = iter(tf.data.Dataset.range(10).prefetch(tf.data.AUTOTUNE))
@@ -38,7 +47,7 @@ def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread():
     time.sleep(3 * iterators.POLL_SECONDS)
     assert where == []  # still ours: nothing is dropped while the caller holds it
     del iterator
-    assert _wait_until_released() == 0
+    assert _wait_until_released(releaser) == 0
     assert where == ["kmp-iterator-release"]
 
 
@@ -48,8 +57,8 @@ def test_anything_else_is_passed_through_and_not_held():
     assert iterators.holding() == 0
 
 
-def test_at_exit_what_is_held_is_dropped_and_waited_for():
-    releaser, where = iterators._Releaser(), []
+def test_at_exit_what_is_held_is_dropped_and_waited_for(releaser):
+    where = []
     iterator = iter(tf.data.Dataset.range(3))
     _destroyed_on(iterator, where)
     releaser.hold(iterator)
@@ -61,23 +70,23 @@ def test_at_exit_what_is_held_is_dropped_and_waited_for():
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_fit_destroys_each_epochs_iterator_off_the_main_thread(replicas, two_replicas, monkeypatch):
+def test_fit_destroys_each_epochs_iterator_off_the_main_thread(replicas, two_replicas, releaser, monkeypatch):
     strategy = two_replicas if replicas == 2 else tf.distribute.get_strategy()
-    where, hold = [], iterators._RELEASER.hold
+    where, hold = [], releaser.hold
 
     def watched(iterator):
-        if id(iterator) not in iterators._RELEASER._held:
+        if id(iterator) not in releaser._held:
             _destroyed_on(iterator, where)
         hold(iterator)
 
-    monkeypatch.setattr(iterators._RELEASER, "hold", watched)
+    monkeypatch.setattr(releaser, "hold", watched)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse")
     kmp.prepare(model)
     x = np.random.default_rng(0).random((32, 4)).astype("float32")
     model.fit(x, x[:, :1], batch_size=8, epochs=3, verbose=0, validation_data=(x, x[:, :1]))
-    assert _wait_until_released() == 0
+    assert _wait_until_released(releaser) == 0
     # At least the three epochs' iterators (and validation's, as many as Keras made), none on the main thread.
     assert len(where) >= 3 and set(where) == {"kmp-iterator-release"}, where
 
