@@ -79,6 +79,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "keras.src.backend.tensorflow.optimizer", "TFOptimizer",
         "kmp.LossScaleOptimizer(fused=False): the inner optimizer's all-reduce hook",
     ),
+    "eager_context": (
+        "tensorflow.python.eager.context", "context",
+        "kmp.distribute.leaving: the coordination service's barrier, where a multi-worker job's tasks meet at exit",
+    ),
     "get_global_attribute": (
         "keras.src.backend.common.global_state", "get_global_attribute",
         "kmp.prepare on one device: a build from shapes that fails leaves no Keras name scope open",

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from kmp.config.deepspeed import load_config
 from kmp.config.settings import STRATEGIES, Config, StrategyName
+from kmp.distribute.leaving import leave_last
 from kmp.errors import Problem, check, did_you_mean
 from kmp.values import is_int, key_name
 
@@ -228,9 +229,11 @@ def _build_mirrored(**_):
 
 
 def _build_multi_worker(cluster=None, communication_options=None, **_):
-    return tf.distribute.MultiWorkerMirroredStrategy(
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=_cluster_resolver(cluster), communication_options=communication_options
     )
+    leave_last(strategy)
+    return strategy
 
 
 def _cluster_resolver(cluster: Mapping[str, Any] | None):

@@ -36,6 +36,10 @@ import threading
 
 import tensorflow as tf
 
+# Imported first, so its exit wait is registered before ours and runs after it (atexit runs last-in first):
+# a multi-worker job's leader drops its iterators, then waits for the other workers.
+from kmp.distribute import leaving  # noqa: F401
+
 _ITERATORS = (tf.data.Iterator, tf.distribute.DistributedIterator)
 POLL_SECONDS = 0.1
 # The autotune thread's longest sleep is a minute: a wait longer than that at exit is not this one.

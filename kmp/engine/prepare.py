@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from kmp import seams, values
+from kmp.distribute.leaving import leave_last
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import engine, iterators, overflow_layer, replica_step, state, wall_clock
 from kmp.engine import buffers as flat
@@ -125,6 +126,10 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     (kmp.engine.iterators): fit() never waits for tf.data's teardown. Each
     epoch's iterator is made when a step first reads it: Keras makes one
     after the last epoch too, which nothing reads.
+
+    Under MultiWorkerMirroredStrategy the coordination leader (chief 0, else
+    worker 0) waits at exit until the other workers have exited
+    (kmp.distribute.leaving).
     """
     stock = getattr(type(model), "_maybe_symbolic_build", None)
     if not isinstance(model, keras.Model) or stock is None:
@@ -148,6 +153,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
         model.train_function = None  # built with the old settings: rebuild at the next fit()
     kept.jit_compile, kept.find_overflow_layer, kept.flat_buffers, kept.wall_clock_breakdown = settings
     kept.prepared = True
+    leave_last(model.distribute_strategy)  # a strategy users built themselves, not resolve_strategy's
     _with_kmp_loss_scaling(model)
     if flat_buffers:
         engine.install(model)
