@@ -42,7 +42,6 @@ POLL_SECONDS = 0.1
 BARRIER = "kmp-leave"
 _COORDINATED = ("chief", "worker")  # TensorFlow's coordinated jobs; an evaluator is not one
 
-_lock = threading.Lock()
 # Set once this process is known to be a task of a multi-worker job: whether it leads, the others' addresses.
 _job: dict | None = None
 
@@ -52,8 +51,7 @@ def leave_last(strategy: tf.distribute.Strategy) -> None:
     global _job
     job = _job_of(strategy)
     if job is not None:
-        with _lock:
-            _job = job
+        _job = job
 
 
 def _job_of(strategy) -> dict | None:
