@@ -1,7 +1,7 @@
 """kmp.distribute: tf.distribute strategies, done right for mixed precision.
 
     strategy.py       resolve_strategy: which strategy the machine and cluster call for
-    leaving.py        leave_last: a multi-worker job's coordination leader exits after the others
+    leaving.py        leave_last: a multi-worker job's tasks leave together at exit, its leader last
     communication.py  all_reduce_sum: the gradient all-reduce, flat buckets, wire dtype
     scatter.py        the flat gradient's reduce-scatter and gather (ZeRO stage 1)
     same_start.py     variables made alike on every worker

@@ -127,8 +127,8 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     epoch's iterator is made when a step first reads it: Keras makes one
     after the last epoch too, which nothing reads.
 
-    Under MultiWorkerMirroredStrategy the coordination leader (chief 0, else
-    worker 0) waits at exit until the other workers have exited
+    Under MultiWorkerMirroredStrategy the workers leave together at exit,
+    the coordination leader (chief 0, else worker 0) last
     (kmp.distribute.leaving).
     """
     stock = getattr(type(model), "_maybe_symbolic_build", None)
