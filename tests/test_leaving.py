@@ -125,5 +125,7 @@ def test_the_leader_of_two_real_workers_exits_after_the_other(tmp_path):
             process.kill()
     outputs = [process.communicate()[0][-3000:] for process in processes]
     assert [process.returncode for process in processes] == [0, 0], outputs
-    assert ended[0] >= ended[1], (ended, outputs)
+    # Without the wait worker 0 ends about 4 s first. A second of slack: a worker's server closes
+    # its port in its exit, a moment before the process is reaped.
+    assert ended[0] > ended[1] - 1.0, (ended, outputs)
     assert not any("leaving without the other workers" in output for output in outputs), outputs
