@@ -60,7 +60,9 @@ def _free_distributed_iterators_young(request):
     what later tests made: unfrozen, each took about 0.6 s of CPU, and grew with
     the heap the suite's earlier tests left. Reference counting still frees
     frozen objects, but a frozen cycle dropped later stays in memory: a
-    bounded cost in a test process.
+    bounded cost in a test process. What it holds stays alive too (an input
+    iterator kmp's releaser then holds for good): a test does not assert on
+    such process-wide state that earlier tests on its worker may have left.
     """
     yield
     if "two_replicas" in request.fixturenames:
