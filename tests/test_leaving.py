@@ -1,4 +1,4 @@
-"""kmp.distribute.leaving: a multi-worker job's coordination leader exits after the other workers.
+"""kmp.distribute.leaving: the tasks of a multi-worker job leave together at exit, the coordination leader last.
 
 TensorFlow runs the job's coordination service in the leader (worker 0 here);
 a worker still exiting when the leader is gone can abort (exit code -6). The
@@ -8,7 +8,6 @@ wait is tested against real sockets and, end to end, on two real workers.
 import logging
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from kmp.cli.launch import free_ports, tf_config
+from kmp.cli.launch import LocalJob, free_ports
 from kmp.distribute import leaving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,25 +105,21 @@ def test_the_leader_of_two_real_workers_exits_after_the_other(tmp_path):
         if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
             time.sleep(4)  # a worker whose work (or exit) takes longer
     """))
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = []
-    for index in range(2):
-        env = dict(os.environ, TF_CONFIG=tf_config(workers, index), TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        processes.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     ended = [None, None]
-    deadline = time.monotonic() + 240
-    while None in ended and time.monotonic() < deadline:
-        for index, process in enumerate(processes):
-            if ended[index] is None and process.poll() is not None:
-                ended[index] = time.monotonic()
-        time.sleep(0.05)
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-    outputs = [process.communicate()[0][-3000:] for process in processes]
-    assert [process.returncode for process in processes] == [0, 0], outputs
+    with LocalJob([sys.executable, script], 2, env=env, cwd=tmp_path, log_dir=tmp_path, threads=False) as job:
+        deadline = time.monotonic() + 240
+        while None in ended and time.monotonic() < deadline:
+            if any(process.poll() not in (None, 0) for process in job.processes):
+                break  # a failed worker: its peer would wait in vain
+            for index, process in enumerate(job.processes):
+                if ended[index] is None and process.poll() is not None:
+                    ended[index] = time.monotonic()
+            time.sleep(0.05)
+        codes = job.wait(timeout=0)  # stops whoever is left
+    outputs = [(tmp_path / f"worker{index}.log").read_text()[-3000:] for index in range(2)]
+    assert codes == [0, 0], outputs
     # Without the wait worker 0 ends about 4 s first. A second of slack: a worker's server closes
     # its port in its exit, a moment before the process is reaped.
     assert ended[0] > ended[1] - 1.0, (ended, outputs)
