@@ -83,7 +83,7 @@ def _leave() -> None:
     try:
         seams.get("eager_context")().wait_at_barrier(BARRIER, int(LEAVE_SECONDS * 1000))
     except Exception as error:  # a task failed or the wait timed out: nothing left to wait for
-        logger.warning("kmp: leaving without the other workers: %s", str(error).splitlines()[0] if str(error) else error)
+        logger.warning("kmp: leaving without the other workers: %s", (str(error).splitlines() or [repr(error)])[0])
         return
     finally:
         said.cancel()
