@@ -70,6 +70,20 @@ def test_the_states_are_a_byte_per_moment_and_a_scale_per_block():
     assert estimate.optimizer_state == 2 * (p + 4 * sum(-(-n // 256) for n in sizes.values()))
 
 
+def test_a_traced_update_takes_few_ops_more_per_variable_than_adams():
+    """Each quantize and dequantize is one op in the traced step (kmp.scaling.quantize traces each once), so the
+    8-bit update of many variables traces about as fast as Adam's: it was 4.9x Adam's ops (9,479 against 1,935 on
+    keras-hub's tiny BERT)."""
+    variables = [tf.Variable(tf.zeros(shape)) for shape in [(7, 5), (5,), (300,), (3, 3, 4)] * 5]
+    grads = [tf.ones(v.shape) for v in variables]
+    ops = {}
+    for name, optimizer in (("32bit", keras.optimizers.AdamW(1e-3)), ("8bit", AdamW8bit(1e-3))):
+        optimizer.build(variables)
+        graph = tf.function(lambda g, o=optimizer: o.apply(g, variables)).get_concrete_function(grads).graph
+        ops[name] = len(graph.get_operations())
+    assert ops["8bit"] < 1.5 * ops["32bit"], ops
+
+
 def test_it_learns_as_adam_does():
     x, y = _problem(rows=512)
     losses = {}

@@ -280,7 +280,8 @@ def _binary_search_quantize(x, code, block_size=256):
     check, then the lower bound of x / absmax among the midpoints by a branchless binary search of 8 gathers."""
     x = tf.convert_to_tensor(x, tf.float32)
     mid = tf.constant(kq._lower_midpoints(code))
-    xb, n = kq._blocks(x, block_size)
+    n = kq._static_length(x, block_size)
+    xb = kq._blocks(x, block_size)
     absmax = tf.reduce_max(tf.abs(xb), axis=1)
     absmax = tf.where(absmax >= np.finfo(np.float32).tiny, absmax, 0.0)
     absmax = tf.where(tf.reduce_all(tf.math.is_finite(xb), axis=1), absmax, np.nan)

@@ -101,13 +101,18 @@ def _lower_midpoints(code) -> np.ndarray:
     return np.append(mid, np.float32(np.inf))
 
 
-def _blocks(x: tf.Tensor, block_size: int) -> tuple[tf.Tensor, int]:
-    """x (static length n) padded with zeros to whole blocks, as [ceil(n / block_size), block_size]."""
+def _static_length(x: tf.Tensor, block_size: int) -> int:
+    """x's static length, checked: a 1-D tensor of at least one element, and a whole block size."""
     n = x.shape[0] if x.shape.rank == 1 else None
-    if n is None or n < 1 or block_size < 1:
+    if n is None or n < 1 or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"Need a 1-D tensor of static length >= 1 and block_size >= 1, got {x.shape}, {block_size}.")
-    blocks = math.ceil(n / block_size)
-    return tf.reshape(tf.pad(x, [[0, blocks * block_size - n]]), [blocks, block_size]), n
+    return n
+
+
+def _blocks(x: tf.Tensor, block_size: int) -> tf.Tensor:
+    """x (length n, known when the program runs) padded with zeros to whole blocks, as [ceil(n / block_size), block_size]."""
+    n = tf.shape(x)[0]
+    return tf.reshape(tf.pad(x, [[0, -n % block_size]]), [-1, block_size])
 
 
 def _search_tables(mid: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -175,8 +180,38 @@ def _count_below(mid: np.ndarray, v: tf.Tensor) -> tf.Tensor:
 def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tensor]:
     """x float32 [n] -> (q uint8 [n], absmax float32 [ceil(n / block_size)]): q indexes code nearest x / absmax."""
     x = tf.convert_to_tensor(x, tf.float32)
-    mid = _lower_midpoints(code)
-    xb, n = _blocks(x, block_size)
+    n = _static_length(x, block_size)
+    q, absmax = _traced(_quantize, _lower_midpoints(code).tobytes(), int(block_size))(x)
+    return tf.ensure_shape(q, [n]), tf.ensure_shape(absmax, [math.ceil(n / block_size)])
+
+
+def dequantize(q, absmax, code, block_size: int = BLOCK_SIZE) -> tf.Tensor:
+    """q uint8 [n], absmax float32 [ceil(n / block_size)] -> x float32 [n]: code[q] * absmax of q's block."""
+    q = tf.convert_to_tensor(q, tf.uint8)
+    n = _static_length(q, block_size)
+    code = tf.get_static_value(code) if tf.is_tensor(code) else code
+    if code is None:
+        raise ValueError("code must be known when tracing.")
+    values = _traced(_dequantize, np.asarray(code, np.float32).tobytes(), int(block_size))(
+        q, tf.convert_to_tensor(absmax, tf.float32))
+    return tf.ensure_shape(values, [n])
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(body, table: bytes, block_size: int):
+    """`body` for one code (its bytes) and block size, as one tf.function of any length. In a traced step each call
+    is then one op, traced once per code and block size, not some fifty ops traced again each time (a per-variable
+    update makes four calls per variable); XLA and TensorFlow's graph optimizer inline it, so it runs the same."""
+    table = np.frombuffer(table, np.float32)
+    if body is _quantize:
+        return tf.function(lambda x: _quantize(x, table, block_size), autograph=False,
+                           input_signature=[tf.TensorSpec([None], tf.float32)])
+    return tf.function(lambda q, absmax: _dequantize(q, absmax, table, block_size), autograph=False,
+                       input_signature=[tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.float32)])
+
+
+def _quantize(x, mid, block_size):
+    xb = _blocks(x, block_size)
     # The largest |x| of a block as the largest of its bit patterns without the sign: one integer reduction that
     # also sees inf and NaN (patterns from 0x7F800000 up), which XLA's float reduce_max on CPU drops.
     if block_size % 32 == 0:  # by 32, then by block: so XLA on CPU fuses it (whole blocks it reduces in two passes)
@@ -187,12 +222,9 @@ def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tenso
     absmax = tf.where(top >= _TINY_BITS, tf.bitcast(top, tf.float32), 0.0)  # 0 or subnormal: a zero block
     absmax = tf.where(top < _INF_BITS, absmax, np.nan)
     v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]  # a zero block stays 0, not 0 / 0
-    return tf.cast(tf.reshape(_count_below(mid, v), [-1])[:n], tf.uint8), absmax
+    return tf.cast(tf.reshape(_count_below(mid, v), [-1])[:tf.shape(x)[0]], tf.uint8), absmax
 
 
-def dequantize(q, absmax, code, block_size: int = BLOCK_SIZE) -> tf.Tensor:
-    """q uint8 [n], absmax float32 [ceil(n / block_size)] -> x float32 [n]: code[q] * absmax of q's block."""
-    q = tf.convert_to_tensor(q, tf.uint8)
-    qb, n = _blocks(q, block_size)
-    values = tf.gather(tf.convert_to_tensor(code, tf.float32), tf.cast(qb, tf.int32))
-    return tf.reshape(values * tf.convert_to_tensor(absmax, tf.float32)[:, None], [-1])[:n]
+def _dequantize(q, absmax, table, block_size):
+    values = tf.gather(tf.constant(table), tf.cast(_blocks(q, block_size), tf.int32))
+    return tf.reshape(values * absmax[:, None], [-1])[:tf.shape(q)[0]]
