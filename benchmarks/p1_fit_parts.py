@@ -1,0 +1,91 @@
+"""P1's whole fit() call, part by part: what a warm kmp fit() spends besides its steps.
+
+P1 (40 x Dense(256), batch 64, Adam) with kmp's flat buffers under
+MirroredStrategy on two logical CPUs, 30 steps per fit(). After three
+warm-up calls, the whole call is timed `--calls` times, then one call runs
+under cProfile and its time is split into:
+
+- the steps (Keras's train function, kmp's wrappers included);
+- making the epoch's distributed input iterator (Keras builds one per
+  fit() under a strategy: a MultiDeviceIterator, whose own tf.functions are
+  traced anew each time);
+- kmp's copies between the flat buffers and the Keras variables (a load
+  before the first step, a store after the last);
+- the rest (callbacks, Keras's setup and teardown).
+
+cProfile slows Python-heavy parts more than the steps, so the split is
+read as proportions of the profiled call.
+
+    python benchmarks/p1_fit_parts.py [--policy mixed_float16] [--calls 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+from common import mlp, regression_data, use_two_logical_cpus
+
+# (part, file suffix, function name): the profiled call's cumulative time in that function.
+_PARTS = [
+    ("the steps", "keras/src/backend/tensorflow/trainer.py", "function"),
+    ("the input iterator", "tensorflow/python/distribute/input_lib.py", "_create_iterators_per_worker"),
+    ("the copies", "kmp/engine/buffers.py", "_copy"),
+]
+
+
+def _cumulative(stats, suffix, name) -> float:
+    return sum(row[3] for (file, _, function), row in stats.stats.items() if file.endswith(suffix) and function == name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="mixed_float16")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    use_two_logical_cpus()
+    import keras
+    import tensorflow as tf
+
+    import kmp
+
+    batch = 64
+    x, y = regression_data(batch, args.steps)
+    keras.config.set_dtype_policy(args.policy)
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-4)), loss="mse")
+    kmp.prepare(model, flat_buffers=True)
+
+    def fit():
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+
+    for _ in range(3):
+        fit()
+    whole = []
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        fit()
+        whole.append(time.perf_counter() - start)
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.runcall(fit)
+    profiled = time.perf_counter() - start
+    stats = pstats.Stats(profile)
+    parts = {name: _cumulative(stats, suffix, function) for name, suffix, function in _PARTS}
+    parts["the rest"] = profiled - sum(parts.values())
+    print(f"P1, {args.policy}, flat buffers, MirroredStrategy on two logical CPUs, fit() of {args.steps} steps")
+    print(f"whole fit(): {statistics.median(whole):.3f} s (median of {args.calls}: "
+          f"{', '.join(f'{w:.3f}' for w in whole)})")
+    print(f"one fit() under cProfile: {profiled:.3f} s")
+    for name, seconds in parts.items():
+        print(f"  {name:20s} {seconds:6.3f} s  {seconds / profiled:5.1%}")
+
+
+if __name__ == "__main__":
+    main()
