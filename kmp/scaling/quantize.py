@@ -110,7 +110,7 @@ def _static_length(x: tf.Tensor, block_size: int) -> int:
 
 
 def _blocks(x: tf.Tensor, block_size: int) -> tf.Tensor:
-    """x (length n, known when the program runs) padded with zeros to whole blocks, as [ceil(n / block_size), block_size]."""
+    """x (its length known when the program runs) zero padded to whole blocks: [ceil(n / block_size), block_size]."""
     n = tf.shape(x)[0]
     return tf.reshape(tf.pad(x, [[0, -n % block_size]]), [-1, block_size])
 
