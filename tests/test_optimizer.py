@@ -85,6 +85,22 @@ def test_trajectory_matches_keras_inside_tf_function():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_users_tf_function_does_not_autograph_convert_kmps_step():
+    """Keras's code is never autograph-converted (TensorFlow's DoNotConvert('keras')); neither is kmp's step
+    when a user's tf.function calls it. Converted, it took several seconds of CPU on its first trace."""
+    import sys
+
+    def converted():
+        return {m for m in sys.modules if m.startswith("__autograph_generated_file")}
+
+    variables = _variables()
+    opt = LossScaleOptimizer(keras.optimizers.Adam(0.01))
+    opt.build(variables)
+    before = converted()
+    tf.function(lambda g: opt.apply(g, variables)).get_concrete_function(_grad_sequence(1)[0])
+    assert len(converted() - before) <= 1  # the lambda itself
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -204,6 +204,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Overflow steps. Every overflow skips its step (the contract), so this is `skipped_steps`."""
         return getattr(self, "skipped_steps", None)
 
+    # Keras's own code is never autograph-converted (TensorFlow's DoNotConvert('keras')); in a user's
+    # tf.function, kmp's step would otherwise be, at several seconds of CPU on its first trace, for nothing.
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None, *, micro_batch_weight=None):
         """One (micro-)step. `micro_batch_weight` (e.g. a token count) makes
         the gradient the weighted mean: sum(grads) / sum(weights) over the
