@@ -227,7 +227,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             warnings.warn("kmp: zero_stage=1 shards the optimizer state on kmp.prepare(model)'s flat buffers; this "
                           "step updates per variable (kmp.prepare was not called, or its log line says why the "
                           "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
-                          stacklevel=2)
+                          stacklevel=3)  # past do_not_convert's wrapper, at apply's caller
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
         # Every micro-batch of a window is scaled by the same scale: it only
         # changes when a window closes. A static scale of 1 (float32,
