@@ -50,12 +50,9 @@ class _Slot:
 
 
 def _scaled(x):
-    # quantize's first half as it runs it (its integer absmax, the zero-block guard), then the quotients as bytes.
-    xb = tf.reshape(x, [-1, quantize.BLOCK_SIZE])
-    by_32 = tf.reduce_max(tf.bitcast(tf.reshape(xb, [-1, 32]), tf.int32) & 0x7FFFFFFF, axis=1)
-    absmax = tf.bitcast(tf.reduce_max(tf.reshape(by_32, [-1, quantize.BLOCK_SIZE // 32]), axis=1), tf.float32)
-    v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]
-    return tf.cast(tf.reshape(v * 127.0, [-1]), tf.uint8), absmax
+    # quantize's first half, then the quotients stored as bytes, as the codes are: no lookup.
+    v, absmax = quantize.scaled_blocks(x)
+    return tf.cast(v * 127.0, tf.uint8), absmax
 
 
 def _scalars():

@@ -1,5 +1,7 @@
 """kmp.LossScaleOptimizer: Keras parity, the spec, serialization, replicas."""
 
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -88,8 +90,6 @@ def test_trajectory_matches_keras_inside_tf_function():
 def test_a_users_tf_function_does_not_autograph_convert_kmps_step():
     """Keras's code is never autograph-converted (TensorFlow's DoNotConvert('keras')); neither is kmp's step
     when a user's tf.function calls it. Converted, it took several seconds of CPU on its first trace."""
-    import sys
-
     def converted():
         return {m for m in sys.modules if m.startswith("__autograph_generated_file")}
 

@@ -181,7 +181,7 @@ def quantize(x, code, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tenso
     """x float32 [n] -> (q uint8 [n], absmax float32 [ceil(n / block_size)]): q indexes code nearest x / absmax."""
     x = tf.convert_to_tensor(x, tf.float32)
     n = _static_length(x, block_size)
-    q, absmax = _traced(_quantize, _lower_midpoints(code).tobytes(), int(block_size))(x)
+    q, absmax = _quantize_function(_lower_midpoints(code).tobytes(), int(block_size))(x)
     return tf.ensure_shape(q, [n]), tf.ensure_shape(absmax, [math.ceil(n / block_size)])
 
 
@@ -192,25 +192,35 @@ def dequantize(q, absmax, code, block_size: int = BLOCK_SIZE) -> tf.Tensor:
     code = tf.get_static_value(code) if tf.is_tensor(code) else code
     if code is None:
         raise ValueError("code must be known when tracing.")
-    values = _traced(_dequantize, np.asarray(code, np.float32).tobytes(), int(block_size))(
+    values = _dequantize_function(np.asarray(code, np.float32).tobytes(), int(block_size))(
         q, tf.convert_to_tensor(absmax, tf.float32))
     return tf.ensure_shape(values, [n])
 
 
+# One tf.function per code (its bytes) and block size, of any length. In a traced step each call is then one op,
+# traced once, not some fifty ops traced again each time (a per-variable update makes four calls per variable);
+# XLA and TensorFlow's graph optimizer inline it, so it runs the same.
 @functools.lru_cache(maxsize=None)
-def _traced(body, table: bytes, block_size: int):
-    """`body` for one code (its bytes) and block size, as one tf.function of any length. In a traced step each call
-    is then one op, traced once per code and block size, not some fifty ops traced again each time (a per-variable
-    update makes four calls per variable); XLA and TensorFlow's graph optimizer inline it, so it runs the same."""
-    table = np.frombuffer(table, np.float32)
-    if body is _quantize:
-        return tf.function(lambda x: _quantize(x, table, block_size), autograph=False,
-                           input_signature=[tf.TensorSpec([None], tf.float32)])
-    return tf.function(lambda q, absmax: _dequantize(q, absmax, table, block_size), autograph=False,
+def _quantize_function(mid: bytes, block_size: int):
+    mid = np.frombuffer(mid, np.float32)
+    return tf.function(lambda x: _quantize(x, mid, block_size), autograph=False,
+                       input_signature=[tf.TensorSpec([None], tf.float32)])
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantize_function(code: bytes, block_size: int):
+    code = np.frombuffer(code, np.float32)
+    return tf.function(lambda q, absmax: _dequantize(q, absmax, code, block_size), autograph=False,
                        input_signature=[tf.TensorSpec([None], tf.uint8), tf.TensorSpec([None], tf.float32)])
 
 
 def _quantize(x, mid, block_size):
+    v, absmax = scaled_blocks(x, block_size)
+    return tf.cast(tf.reshape(_count_below(mid, v), [-1])[:tf.shape(x)[0]], tf.uint8), absmax
+
+
+def scaled_blocks(x, block_size: int = BLOCK_SIZE) -> tuple[tf.Tensor, tf.Tensor]:
+    """quantize's first half: x / absmax by blocks [ceil(n / block_size), block_size], and each block's absmax."""
     xb = _blocks(x, block_size)
     # The largest |x| of a block as the largest of its bit patterns without the sign: one integer reduction that
     # also sees inf and NaN (patterns from 0x7F800000 up), which XLA's float reduce_max on CPU drops.
@@ -221,10 +231,9 @@ def _quantize(x, mid, block_size):
         top = tf.reduce_max(tf.bitcast(xb, tf.int32) & 0x7FFFFFFF, axis=1)
     absmax = tf.where(top >= _TINY_BITS, tf.bitcast(top, tf.float32), 0.0)  # 0 or subnormal: a zero block
     absmax = tf.where(top < _INF_BITS, absmax, np.nan)
-    v = xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None]  # a zero block stays 0, not 0 / 0
-    return tf.cast(tf.reshape(_count_below(mid, v), [-1])[:tf.shape(x)[0]], tf.uint8), absmax
+    return xb / tf.where(absmax > 0.0, absmax, 1.0)[:, None], absmax  # a zero block stays 0, not 0 / 0
 
 
-def _dequantize(q, absmax, table, block_size):
-    values = tf.gather(tf.constant(table), tf.cast(_blocks(q, block_size), tf.int32))
+def _dequantize(q, absmax, code, block_size):
+    values = tf.gather(tf.constant(code), tf.cast(_blocks(q, block_size), tf.int32))
     return tf.reshape(values * absmax[:, None], [-1])[:tf.shape(q)[0]]
