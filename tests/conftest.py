@@ -15,10 +15,12 @@ def _cheap_xla_compiles(flags: str) -> str:
 
     Each test's programs run a few steps, while a conv net's compile costs tens of seconds:
     the LLVM back end unoptimized, and XLA's older loop emitters (its MLIR fusion emitters
-    take three times the CPU to compile at that level). Programs run 2-3x slower. kmp
+    take three times the CPU to compile at that level), and one LLVM module per program (split
+    for parallel codegen, it costs ~5% more CPU on two cores). Programs run 2-3x slower. kmp
     and stock Keras are compiled alike; a setting the caller gives is kept.
     """
-    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1"):
         if flag.split("=")[0] not in flags:
             flags = f"{flags} {flag}".strip()
     return flags
