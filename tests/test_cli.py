@@ -394,6 +394,9 @@ def test_env_json():
     assert [d["name"] for d in cpus] == [d.name for d in physical]
     assert [name for name in report["logical_devices"] if ":CPU:" in name] == ["/device:CPU:0"]
     assert report["xla"]["works"] is True
+    convolutions = report["float16_convolutions"]
+    assert convolutions["float32_ms"] > 0 and convolutions["float16_ms"] > 0
+    assert convolutions["ratio"] == pytest.approx(convolutions["float16_ms"] / convolutions["float32_ms"], abs=0.1)
     assert report["auto_precision"]["precision"] == str(kmp.resolve_precision("auto"))
     assert report["auto_precision"]["why"]
     assert [f["feature"] for f in report["features"]] == FEATURES
@@ -407,9 +410,22 @@ def test_env_text():
     for name in ("python", *env.PACKAGES):
         assert re.search(rf"^  {re.escape(name)}\s+\S+\s+\S+\s+OK$", text, re.M), name
     assert re.search(r"^XLA: works \(compiled and ran in [\d.]+ s\)$", text, re.M)
+    assert re.search(r"^float16 convolution gradient on the CPU: [\d.]+x float32's time \([\d.]+ against [\d.]+ ms\)",
+                     text, re.M)
     assert f"precision='auto': {kmp.resolve_precision('auto')} (" in text
     for feature in FEATURES:
         assert re.search(rf"^  {feature}\s+(runs|no)\s+\S", text, re.M), feature
+
+
+def test_env_says_what_to_do_where_float16_convolutions_are_slow():
+    fast = {"float32_ms": 1.0, "float16_ms": 2.0, "ratio": 2.0}
+    slow = {"float32_ms": 0.57, "float16_ms": 31.97, "ratio": 56.1}
+    assert env.convolution_note(fast, onednn=True) == "2x float32's time (2.00 against 1.00 ms)"
+    assert "TF_ENABLE_ONEDNN_OPTS=0, set before TensorFlow starts" in env.convolution_note(slow, onednn=True)
+    # With oneDNN already off there is no oneDNN remedy to offer: XLA or float32.
+    off = env.convolution_note(slow, onednn=False)
+    assert off.startswith("56.1x float32's time (31.97 against 0.57 ms): ") and "TF_ENABLE_ONEDNN_OPTS" not in off
+    assert "XLA" in off
 
 
 # --- kmp demo --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ PyTorch user, for kmp:
     cpu        the flags that decide float16/bfloat16 speed on a CPU (Linux)
     devices    each device, with kmp.check_hardware's verdict on float16 and bfloat16
     xla        a tiny jit_compile=True function compiled and run, time-bounded
+    float16 convolutions  a convolution's weight gradient timed in float16 against float32
     auto       what precision="auto" resolves to here, and why
     features   which kmp features run on this machine
 
@@ -225,6 +226,48 @@ def _xla(tf, timeout: float) -> dict[str, Any]:
     return {"works": outcome["error"] is None, "seconds": seconds, "error": outcome["error"]}
 
 
+# The probe's shapes: small enough that the probe takes well under a second where float16 is slow.
+_CONVOLUTION = {"input": (8, 16, 16, 32), "filter": (3, 3, 32, 32)}
+# At this ratio or more a conv net's float16 step outside XLA is dominated by the weight gradient.
+SLOW_CONVOLUTIONS = 10.0
+
+
+def _float16_convolutions(tf) -> dict[str, float]:
+    """A 3x3 convolution's weight gradient on the CPU, best of three, in float32 and in float16.
+
+    On CPUs with AVX512_FP16, TensorFlow's oneDNN kernels run it in float16 with oneDNN's reference
+    (unvectorized) kernel, which then dominates a conv net's step (benchmarks/float16_convolutions.py).
+    """
+    shape, sizes = _CONVOLUTION["input"], _CONVOLUTION["filter"]
+
+    def best(dtype) -> float:
+        x = tf.random.stateless_normal(shape, (1, 2), dtype=dtype)
+        dy = tf.random.stateless_normal(shape[:3] + sizes[3:], (3, 4), dtype=dtype)
+        times = []
+        for _ in range(4):  # the first run warms up
+            start = time.perf_counter()
+            tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=sizes, out_backprop=dy, strides=[1, 1, 1, 1],
+                                            padding="SAME").numpy()
+            times.append(time.perf_counter() - start)
+        return min(times[1:]) * 1e3
+
+    with tf.device("/CPU:0"):
+        float32, float16 = best(tf.float32), best(tf.float16)
+    return {"float32_ms": round(float32, 3), "float16_ms": round(float16, 3), "ratio": round(float16 / float32, 1)}
+
+
+def convolution_note(result: dict[str, float], onednn: bool) -> str:
+    """What the float16 convolution probe means for a user, with the remedy when it is slow."""
+    line = f"{result['ratio']:g}x float32's time ({result['float16_ms']:.2f} against {result['float32_ms']:.2f} ms)"
+    if result["ratio"] < SLOW_CONVOLUTIONS:
+        return line
+    if onednn:
+        return (line + ": oneDNN runs it with a slow reference kernel here. TF_ENABLE_ONEDNN_OPTS=0, set before "
+                "TensorFlow starts, swaps in TensorFlow's own kernels; an XLA-compiled step (kmp.prepare's "
+                "per-replica step, jit_compile=True) uses XLA's (docs/precision.md, \"On CPU\", has what each costs)")
+    return line + ": a conv net's float16 step is that much slower outside XLA; compile it with XLA, or use float32"
+
+
 def _auto() -> dict[str, str]:
     """kmp.resolve_precision("auto") here, with the reason kmp.precision logs for it."""
     records: list[logging.LogRecord] = []
@@ -293,7 +336,8 @@ def collect(xla_timeout: float = 60.0) -> dict[str, Any]:
         "pins_from": source,
         "packages": packages,
         "cpu": cpu_flags(),
-        "devices": [], "logical_devices": [], "xla": None, "auto_precision": None, "features": [],
+        "devices": [], "logical_devices": [], "xla": None, "float16_convolutions": None, "auto_precision": None,
+        "features": [],
         "tensorflow_error": None,
         "tensorflow_log": [],
     }
@@ -311,6 +355,7 @@ def collect(xla_timeout: float = 60.0) -> dict[str, Any]:
             # physical device a logical one (a split of a GPU or CPU) lives on.
             report["logical_devices"] = [d.name for d in tf.config.list_logical_devices()]
             report["xla"] = _xla(tf, xla_timeout)
+            report["float16_convolutions"] = _float16_convolutions(tf)
             report["auto_precision"] = _auto()
             report["features"] = _features(report, tf)
     except Exception as error:  # a broken TensorFlow is what this command must still report
@@ -356,6 +401,9 @@ def render(report: dict[str, Any]) -> str:
     xla, auto = report["xla"], report["auto_precision"]
     out += ["", "XLA: " + (f"works (compiled and ran in {xla['seconds']:.2f} s)" if xla["works"]
                            else f"does not work: {xla['error']}")]
+    # TensorFlow says at start-up whether its oneDNN kernels are on (TF_ENABLE_ONEDNN_OPTS).
+    onednn = any("oneDNN custom operations are on" in line for line in report["tensorflow_log"])
+    out.append("float16 convolution gradient on the CPU: " + convolution_note(report["float16_convolutions"], onednn))
     out.append(f"precision='auto': {auto['precision']}" + (f" ({auto['why']})" if auto["why"] else ""))
     out += ["", "Features"]
     out += _table([[f["feature"], "runs" if f["runs"] else "no", f["note"]] for f in report["features"]])
