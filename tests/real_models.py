@@ -359,8 +359,8 @@ def reference(case, axis, strategy):
 
         def make():
             # A case whose every step overflows never applies the update, so its losses and skips are
-            # AdamW's with SGD too; SGD's update halves the XLA compile (EfficientNetV2B0 ~55 against
-            # ~110 s of CPU, ResNet50V2 19 against 40). If a step trained, kmp's AdamW would part from it.
+            # AdamW's with SGD too, whose update halves the step's XLA compile. Were a step applied,
+            # kmp's AdamW would part from it (and the test asserts none is).
             inner = keras.optimizers.SGD(1e-3, **extra) if fp16 and case.overflows else adamw(**extra)
             if not fp16:
                 return inner

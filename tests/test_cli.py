@@ -426,6 +426,8 @@ def test_env_says_what_to_do_where_float16_convolutions_are_slow():
     off = env.convolution_note(slow, onednn=False)
     assert off.startswith("56.1x float32's time (31.97 against 0.57 ms): ") and "TF_ENABLE_ONEDNN_OPTS" not in off
     assert "XLA" in off
+    failed = {"error": "NotFoundError: no kernel"}
+    assert env.convolution_note(failed, onednn=True) == "could not run (NotFoundError: no kernel)"
 
 
 # --- kmp demo --------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ kmp.prepare on the paths users take, against stock Keras.
 
 Each case trains STEPS steps and must show: no crash; finite losses; each
 step's loss within the axis's tolerance of stock Keras at the same precision
-on one device (fp16: Keras's LossScaleOptimizer with jit_compile=True; bf16:
+on one device (fp16: Keras's LossScaleOptimizer with jit_compile=True, around
+SGD for a model whose every step overflows, real_models.reference; bf16:
 float32; a model with BatchNormalization on several replicas: under the same
 strategy, see real_models.reference); the same skipped steps as stock, within one; a `.keras` file that
 loads (kmp imported) and takes one more step equal to the live model's (but for the

@@ -251,13 +251,18 @@ def _float16_convolutions(tf) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return min(times[1:]) * 1e3
 
-    with tf.device("/CPU:0"):
-        float32, float16 = best(tf.float32), best(tf.float16)
+    try:
+        with tf.device("/CPU:0"):
+            float32, float16 = best(tf.float32), best(tf.float16)
+    except Exception as error:  # a TensorFlow without float16 convolutions here: say so, report the rest
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
     return {"float32_ms": round(float32, 3), "float16_ms": round(float16, 3), "ratio": round(float16 / float32, 1)}
 
 
 def convolution_note(result: dict[str, float], onednn: bool) -> str:
     """What the float16 convolution probe means for a user, with the remedy when it is slow."""
+    if "error" in result:
+        return f"could not run ({result['error']})"
     line = f"{result['ratio']:g}x float32's time ({result['float16_ms']:.2f} against {result['float32_ms']:.2f} ms)"
     if result["ratio"] < SLOW_CONVOLUTIONS:
         return line
