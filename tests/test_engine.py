@@ -640,3 +640,20 @@ class _Ema(keras.callbacks.Callback):
 def test_an_ema_swap_by_assign_in_callbacks_trains_as_the_per_variable_path():
     runs = [_trained(flat, callbacks=[_Ema()], epochs=3)[0] for flat in (False, True)]
     _assert_close(_raw(runs[0]), _raw(runs[1]))
+
+
+def test_the_eager_copies_raw_ops_read_write_and_check_shapes_as_assign_does():
+    """kmp.engine.buffers copies between fit() calls with the ops alone: same values, and a
+    value of another shape is refused (the raw op alone would give the variable that shape)."""
+    from kmp.engine import buffers
+
+    variable = tf.Variable(np.zeros((2, 3), "float32"))
+    value = buffers._reshaped(tf.range(6, dtype=tf.float32), (2, 3))
+    buffers._assign(variable, value)
+    np.testing.assert_array_equal(buffers._read(variable).numpy(), np.arange(6).reshape(2, 3))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        buffers._assign(variable, tf.zeros((3, 2)))
+    assert variable.shape == (2, 3)
+    np.testing.assert_array_equal(variable.numpy(), np.arange(6).reshape(2, 3))
+    # The same shape tensor serves every call with that shape.
+    assert buffers._shape_tensor((2, 3)) is buffers._shape_tensor((2, 3))

@@ -520,16 +520,15 @@ class FlatBuffers:
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             # value(), and assign without reading back: no Identity, no read, per variable (eagerly, each op counts).
-            flat = self._joined(name, [v.value() for v in mirrors[name]])
-            buffer.assign(self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]),
-                          read_value=False)
+            flat = self._joined(name, [_read(v) for v in mirrors[name]])
+            _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
             flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
             for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
-                variable.assign(part, read_value=False)
+                _assign(variable, part)
 
 
 class _Masked:
@@ -549,7 +548,31 @@ def _reshaped(tensor, shape):
     """`tensor` in `shape`: itself where it has that shape already (one op less to trace and, outside XLA, to run)."""
     if tensor.shape.is_fully_defined() and tensor.shape == tf.TensorShape(shape):
         return tensor
+    if tf.executing_eagerly():  # the copies between fit() calls: a shape tensor made once, not a tuple converted each time
+        return tf.reshape(tensor, _shape_tensor(tuple(shape)))
     return tf.reshape(tensor, shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _shape_tensor(shape: tuple):
+    with tf.init_scope():
+        return tf.constant(shape, tf.int32)
+
+
+def _read(variable):
+    """`variable.value()`; eagerly, the op alone (as `_assign`)."""
+    if tf.executing_eagerly():
+        return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
+    return variable.value()
+
+
+def _assign(variable, value) -> None:
+    """`variable.assign(value, read_value=False)`; eagerly, the op alone, without assign()'s Python around it
+    (the copies between fit() calls make one per variable and replica). The shape is still checked."""
+    if tf.executing_eagerly():
+        tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=True)
+    else:
+        variable.assign(value, read_value=False)
 
 
 def _pad_to(flat, length: int):
