@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import isolated
 
@@ -29,8 +30,6 @@ BATCH, STEPS = 8, 4
 def _build(precision: str, onednn: bool, xla: bool):
     if not onednn:
         os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # before TensorFlow starts: it reads this once
-    import time
-
     import keras
     import numpy as np
 
