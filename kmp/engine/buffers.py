@@ -519,7 +519,7 @@ class FlatBuffers:
 
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
-            # value(), and assign without reading back: no Identity, no read, per variable (eagerly, each op counts).
+            # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
             flat = self._joined(name, [_read(v) for v in mirrors[name]])
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
