@@ -42,6 +42,8 @@ class Case:
     # After its steps, a `.keras` file of the model loads and takes one more step equal to the live
     # model's. False where that proves nothing the others do not: see CASES.
     reload: bool = True
+    # The optimizer kmp wraps and stock Keras's reference takes (learning_rate, **kwargs) -> optimizer.
+    optimizer: object = None  # None: adamw
 
 
 def _tokens(rows, seed=0):
@@ -227,10 +229,23 @@ class GAN(keras.Model):
         return [self.d_tracker, self.g_tracker]
 
 
+def sgd_momentum(learning_rate=1e-2, **kwargs):
+    """The conv nets' optimizer, as their ImageNet trainings took. Stock Keras's XLA step compiles
+    its update for MobileNetV3Small's 142 trainable variables in about half AdamW's time."""
+    return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
+
+
+def sgd(learning_rate=1e-2, **kwargs):
+    """For the conv nets whose every step overflows: the update never runs, and plain SGD's compiles
+    fastest (EfficientNetV2B0's reference: ~55 s of CPU, with momentum ~85 s, with AdamW ~110 s)."""
+    return keras.optimizers.SGD(learning_rate, **kwargs)
+
+
 def _lm_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+# The transformers and the small models train with AdamW, the conv nets with SGD (see sgd_momentum, sgd).
 # ResNet50V2 and EfficientNetV2B0 overflow float16 at every step of their case, in stock Keras alike
 # (each step is skipped and the weights never change): a reload would compare one more skipped
 # step, at 40-45 s of CPU each for a compile. MobileNetV3Small's fp16 flat case reloads a conv net with
@@ -243,13 +258,19 @@ CASES = {c.name: c for c in [
     Case("vit", vit, _images, _lm_loss()),
     Case("bart", bart, _bart_data, _lm_loss()),
     Case("mixtral", mixtral, _causal_lm_data, _lm_loss()),
-    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True, overflows=True, reload=False),
-    Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True, initial_scale=2.0**8),
+    Case("resnet50v2", _application("ResNet50V2"), _images, batch_norm=True, overflows=True, reload=False,
+         optimizer=sgd),
+    Case("mobilenetv3small", _application("MobileNetV3Small"), _images, batch_norm=True, initial_scale=2.0**8,
+         optimizer=sgd_momentum),
     Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True, overflows=True,
-         reload=False),
+         reload=False, optimizer=sgd),
     Case("own_step", OwnStep, _images, None, own_step=True),
     Case("gan", GAN, lambda rows: (_images(rows)[0], None), None, own_step=True, reload=False),
 ]}
+# A case whose reload proves nothing the matrix's others do not: MobileNetV3Small on two replicas
+# (a conv net with BatchNormalization reloads in its fp16 case, the flat engine on two replicas in
+# float16 in BERT's), at ~30 s of CPU for its loaded model's compile on each replica.
+NO_RELOAD = {("mobilenetv3small", "fp16 mirrored")}
 
 
 # --- Training one case, stock Keras or kmp, step by step ---
@@ -358,10 +379,7 @@ def reference(case, axis, strategy):
                      "global_clipnorm": args["gradient_clipping"]}
 
         def make():
-            # A case whose every step overflows never applies the update, so its losses and skips are
-            # AdamW's with SGD too, whose update halves the step's XLA compile. Were a step applied,
-            # kmp's AdamW would part from it (and the test asserts none is).
-            inner = keras.optimizers.SGD(1e-3, **extra) if fp16 and case.overflows else adamw(**extra)
+            inner = (case.optimizer or adamw)(**extra)
             if not fp16:
                 return inner
             scale = {"initial_scale": case.initial_scale} if case.initial_scale else {}
@@ -399,7 +417,7 @@ def kmp_optimizer(case, axis):
     args = dict(axis.wrap)
     if case.initial_scale and axis.policy == "mixed_float16":
         args["initial_scale"] = case.initial_scale
-    return kmp.wrap(adamw(), **args)
+    return kmp.wrap((case.optimizer or adamw)(), **args)
 
 
 def measure(name, axis_name, path, strategy, directory) -> dict:
@@ -422,7 +440,7 @@ def measure(name, axis_name, path, strategy, directory) -> dict:
               "skipped": skipped_steps(model)}
     result["reference"], result["reference_skipped"] = reference(case, axis, strategy)
     result["reload"] = None
-    if case.reload:
+    if case.reload and (name, axis_name) not in NO_RELOAD:
         try:
             _reload_and_step(case, model, axis, path, strategy, directory)
         except AssertionError as e:
