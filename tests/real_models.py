@@ -232,7 +232,7 @@ class GAN(keras.Model):
 
 
 def sgd_momentum(learning_rate=1e-2, **kwargs):
-    """The conv nets' optimizer, as their ImageNet trainings took. Stock Keras's XLA step compiles
+    """The conv nets' optimizer, as ResNet's ImageNet training took. Stock Keras's XLA step compiles
     its update for MobileNetV3Small's 142 trainable variables in about half AdamW's time."""
     return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
 
