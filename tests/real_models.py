@@ -25,6 +25,23 @@ STEPS, BATCH = 3, 8
 PATH_TAKEN = "kmp path taken"
 
 
+# The optimizers the cases train with: AdamW, but for the conv nets (see CASES).
+def adamw(learning_rate=1e-3, **kwargs):
+    return keras.optimizers.AdamW(learning_rate, weight_decay=0.01, **kwargs)
+
+
+def sgd_momentum(learning_rate=1e-2, **kwargs):
+    """The conv nets' optimizer, as ResNet's ImageNet training took. Stock Keras's XLA step compiles
+    its update for MobileNetV3Small's 142 trainable variables in about half AdamW's time."""
+    return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
+
+
+def sgd(learning_rate=1e-2, **kwargs):
+    """For the conv nets whose every step overflows: the update never runs, and plain SGD's compiles
+    fastest (EfficientNetV2B0's reference: ~55 s of CPU, with momentum ~85 s, with AdamW ~110 s)."""
+    return keras.optimizers.SGD(learning_rate, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -37,13 +54,13 @@ class Case:
     # 2^15 MobileNetV3Small's first step overflows; from 2^8 its three steps train.
     initial_scale: float | None = None
     # Every step overflows float16 from the default scale, in stock Keras alike (the test asserts it):
-    # the weights never change, so its reference's update never runs (see `reference`).
+    # the weights never change, as the update never runs (in kmp and in the reference).
     overflows: bool = False
     # After its steps, a `.keras` file of the model loads and takes one more step equal to the live
     # model's. False where that proves nothing the others do not: see CASES.
     reload: bool = True
     # The optimizer kmp wraps and stock Keras's reference takes (learning_rate, **kwargs) -> optimizer.
-    optimizer: object = None  # None: adamw
+    optimizer: object = adamw
 
 
 def _tokens(rows, seed=0):
@@ -231,23 +248,11 @@ class GAN(keras.Model):
         return [self.d_tracker, self.g_tracker]
 
 
-def sgd_momentum(learning_rate=1e-2, **kwargs):
-    """The conv nets' optimizer, as ResNet's ImageNet training took. Stock Keras's XLA step compiles
-    its update for MobileNetV3Small's 142 trainable variables in about half AdamW's time."""
-    return keras.optimizers.SGD(learning_rate, momentum=0.9, **kwargs)
-
-
-def sgd(learning_rate=1e-2, **kwargs):
-    """For the conv nets whose every step overflows: the update never runs, and plain SGD's compiles
-    fastest (EfficientNetV2B0's reference: ~55 s of CPU, with momentum ~85 s, with AdamW ~110 s)."""
-    return keras.optimizers.SGD(learning_rate, **kwargs)
-
-
 def _lm_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-# The transformers and the small models train with AdamW, the conv nets with SGD (see sgd_momentum, sgd).
+# The transformers and the small models train with AdamW, the conv nets with SGD (sgd_momentum, sgd).
 # ResNet50V2 and EfficientNetV2B0 overflow float16 at every step of their case, in stock Keras alike
 # (each step is skipped and the weights never change): a reload would compare one more skipped
 # step, at 40-45 s of CPU each for a compile. MobileNetV3Small's fp16 flat case reloads a conv net with
@@ -302,10 +307,6 @@ def compile_case(case, model, make_optimizer, **compile_kwargs):
         model.compile(optimizer=make_optimizer(), **compile_kwargs)
     else:
         model.compile(optimizer=make_optimizer(), loss=case.loss, **compile_kwargs)
-
-
-def adamw(learning_rate=1e-3, **kwargs):
-    return keras.optimizers.AdamW(learning_rate, weight_decay=0.01, **kwargs)
 
 
 def skipped_steps(model) -> int:
@@ -381,7 +382,7 @@ def reference(case, axis, strategy):
                      "global_clipnorm": args["gradient_clipping"]}
 
         def make():
-            inner = (case.optimizer or adamw)(**extra)
+            inner = case.optimizer(**extra)
             if not fp16:
                 return inner
             scale = {"initial_scale": case.initial_scale} if case.initial_scale else {}
@@ -419,7 +420,7 @@ def kmp_optimizer(case, axis):
     args = dict(axis.wrap)
     if case.initial_scale and axis.policy == "mixed_float16":
         args["initial_scale"] = case.initial_scale
-    return kmp.wrap((case.optimizer or adamw)(), **args)
+    return kmp.wrap(case.optimizer(), **args)
 
 
 def measure(name, axis_name, path, strategy, directory) -> dict:

@@ -134,7 +134,8 @@ def _measured(name, axis_name, path, tmp_path_factory):
     if group not in _MEASURED:
         _MEASURED[group] = "not measured: its group's worker failed (see the group's first case)"
         specs = [list(c) for c in MATRIX if _group(*c[:2]) == group]
-        _MEASURED[group] = _run(specs, tmp_path_factory.mktemp(name), onednn=name in _SHARED)
+        conv_net = name not in _SHARED  # its process runs without oneDNN (_env)
+        _MEASURED[group] = _run(specs, tmp_path_factory.mktemp(name), onednn=not conv_net)
     results = _MEASURED[group]
     if isinstance(results, str):
         pytest.fail(results)
