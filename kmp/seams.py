@@ -144,6 +144,10 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
         "_distributed_dataset",    # kmp.prepare: the data's shapes, to build a model before its first step
         "_get_iterator",           # kmp.engine.iterators: each epoch's iterator made when first used
     ),
+    "tf.distribute DistributedDataset": (
+        "_options",                # kmp.engine.host_batches: None where Keras's fit() distributed the dataset
+        "_original_dataset",       # kmp.engine.host_batches: the dataset before it was distributed
+    ),
     "tf.experimental.Optional": (
         "_element_spec",           # kmp.prepare's multi-step loop: the spec is known after one trace
     ),

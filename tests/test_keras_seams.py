@@ -82,6 +82,7 @@ def _objects(strategy):
         "keras.optimizers.Lamb": [_built(keras.optimizers.Lamb)],
         "keras TFOptimizer": [keras.optimizers.SGD()],
         "keras TFEpochIterator": [TFEpochIterator(tf.distribute.get_strategy(), x=np.zeros((4, 1)), batch_size=2)],
+        "tf.distribute DistributedDataset": [strategy.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2))],
         "tf.experimental.Optional": [tf.experimental.Optional.from_value(1)],
         "keras.Variable (TensorFlow backend)": [keras.Variable([1.0, 2.0])],
         "tf.distribute DistributedVariable": [mirrored],

@@ -30,7 +30,7 @@ models at the end. Tolerances (rtol on each step's loss):
 - 8-bit states against 32-bit Keras fp16: 3e-2. The moments are quantized
   (docs/eight-bit.md); the first steps move a little differently.
 - Two conv nets' cases where kmp and the reference run float16 through
-  different kernels: 2e-2 and 3e-2 (_LOOSER, with what was measured).
+  different kernels: 2e-2 and 5e-2 (_LOOSER, with what was measured).
 """
 
 import json
@@ -73,10 +73,14 @@ MATRIX = [
 #   overflows, so its three losses are forward passes through the same weights, up to 0.9% apart, as
 #   between stock Keras's own steps with and without XLA (kmp's losses equal stock's without XLA).
 # - MobileNetV3Small on two replicas, kmp's XLA per replica against stock Keras under the strategy
-#   (without XLA, which fails there): 1.0% by the second step.
+#   (without XLA, which fails there): its third loss 1.0% apart on a Xeon, 3.9% on an AMD EPYC. The
+#   model amplifies any difference at this learning rate: with TensorFlow's kernels on both sides
+#   (prepare(jit_compile=False)) the first losses are equal and the third 1.5% apart on the EPYC,
+#   from the order of the all-reduce's and the update's sums alone. The losses fall ~15% over the
+#   three steps.
 # EfficientNetV2B0's gradients overflow float16 from 2^15 and from 2^8, in stock Keras and in kmp
 # alike: its case compares the forward passes and the skips.
-_LOOSER = {("resnet50v2", "fp16"): 2e-2, ("mobilenetv3small", "fp16 mirrored"): 3e-2}
+_LOOSER = {("resnet50v2", "fp16"): 2e-2, ("mobilenetv3small", "fp16 mirrored"): 5e-2}
 
 ROOT = Path(__file__).resolve().parent.parent
 _MEASURED = {}

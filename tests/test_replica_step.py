@@ -190,7 +190,7 @@ def test_the_multi_step_loop_is_kmps_with_several_replicas(two_replicas):
         model = _model(steps_per_execution=4)
     kmp.prepare(model, flat_buffers=False)
     function = _under_kmps_wrappers(model._make_function(model.train_step))
-    assert function.__qualname__ == "_multi_step_function.<locals>.function"
+    assert function.__qualname__ == "_own_loop.<locals>.function"
 
 
 def test_switches(two_replicas):

@@ -28,7 +28,7 @@ import tensorflow as tf
 from kmp import seams, values
 from kmp.distribute.leaving import leave_last
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, iterators, overflow_layer, replica_step, state, wall_clock
+from kmp.engine import engine, host_batches, iterators, overflow_layer, replica_step, state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
@@ -118,8 +118,9 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
          reduce is the mean over replicas and returns the original shape;
        - `steps_per_execution > 1` with several replicas (not TPU): Keras's
          loop fails under Mirrored and MultiWorkerMirrored
-         (keras-team/keras#19246); kmp's runs the same steps
-         (`_multi_step_function`).
+         (keras-team/keras#19246); kmp's runs the same steps (`_own_loop`);
+       - several CPU replicas of one process: fit()'s global batches are
+         read on the host and split in the step (kmp.engine.host_batches).
 
     The train and test functions it builds hand each input iterator to a
     thread of kmp's, which destroys it once nothing else holds it
@@ -201,7 +202,8 @@ def is_prepared(model: keras.Model) -> bool:
 
 def _build_from_local_batch(self, iterator=None, data_batch=None):
     if iterator is not None:  # Keras's epoch iterator for this fit() or evaluate()
-        iterators.defer_next_epochs(iterator)
+        distributed = getattr(iterator, "_distributed_dataset", None)
+        iterators.defer_next_epochs(iterator, host_batches.undistributed(self.distribute_strategy, distributed))
     if self._distribute_strategy is None:
         return _build_on_one_device(self, iterator, data_batch)
     # Keras's method skips its reduce when handed a batch instead of an
@@ -250,8 +252,10 @@ def _unbuilt(model) -> bool:
 
 
 def _make_function_prepared(self, step_function):
+    if getattr(step_function, "__func__", None) is getattr(type(self), "test_step", None):
+        return _build_function(self, step_function, train=False)  # evaluate()'s
     if getattr(step_function, "__func__", None) is not seams.get("TensorFlowTrainer").train_step:
-        return _build_function(self, step_function)
+        return _build_function(self, step_function)  # the model's own train_step
     return _falling_back(self, step_function)
 
 
@@ -309,8 +313,9 @@ def _plan(model, step_function) -> _Plan:
                  timed_apart=timed_apart)
 
 
-def _build_function(self, step_function):
-    plan = _plan(self, step_function)
+def _build_function(self, step_function, train: bool = True):
+    """The train function (or, with train=False, the test function) of a prepared model."""
+    plan = _plan(self, step_function) if train else _test_plan(self, step_function)
     step_function = plan.step
     if plan.finder:
         step_function = overflow_layer.diagnosing_step(self, step_function)
@@ -327,15 +332,28 @@ def _build_function(self, step_function):
         function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
-    if self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(self.distribute_strategy):
-        function = _multi_step_function(self, step_function, function)
+    # Global batches from the host, split in the step (kmp.engine.host_batches): fit()'s only.
+    on_host = train and not self.run_eagerly and host_batches.possible(self.distribute_strategy)
+    if (self.steps_per_execution > 1 or on_host) and not self.run_eagerly and replica_step.splits_replicas(
+            self.distribute_strategy):
+        function = _own_loop(self, step_function, function)
     if plan.engine is not None:
         function = _around_steps(plan.engine, function)
     if plan.every:
         function = _timed(self, plan, function)
-    replica_step.path_of(self).update(taken=_path_taken(plan), off={})
+    if train:
+        replica_step.path_of(self).update(taken=_path_taken(plan), off={})
     # The main thread never destroys an input iterator (that waits on tf.data's autotune thread).
-    return overflow.raising_loss_scale_errors(iterators.releasing(function))
+    return overflow.raising_loss_scale_errors(iterators.releasing(function, on_host))
+
+
+def _test_plan(model, step_function) -> _Plan:
+    """evaluate()'s: Keras's test step as it is; the train function's path, engine and clock untouched."""
+    xla = (state.setting(model, "jit_compile") is True or bool(model.jit_compile)) and not model.run_eagerly and (
+        XLA not in replica_step.path_of(model)["dropped"])
+    return _Plan(step=step_function, engine=None, stock=False, kmp_step=False,
+                 whole_step_xla=xla and model.distribute_strategy.num_replicas_in_sync == 1, replica_xla=False,
+                 finder=False, every=0, timed_apart=False)
 
 
 def _path_taken(plan: _Plan) -> str:
@@ -551,23 +569,30 @@ def _around_steps(flat_engine, function):
     return call
 
 
-def _multi_step_function(self, step_function, keras_function):
-    """`steps_per_execution` steps in one tf.function, with no tf.cond around a step.
+def _own_loop(self, step_function, keras_function):
+    """The train function's steps in kmp's own tf.function, where Keras's fails or costs more.
 
-    Keras 3.15 runs each step of an execution inside a tf.cond, and a step
-    under MirroredStrategy or MultiWorkerMirroredStrategy calls merge_call
-    (every all-reduce does), which fails inside a cond: fit() stops with
-    "You must feed a value for placeholder tensor '.../while/cond/
-    Placeholder_1'" for any steps_per_execution > 1, with any optimizer
-    (keras-team/keras#19246). Here the while loop's own condition checks
-    that a batch is there, and its body runs the step unconditionally.
-    Keras's `unrolled_steps_per_execution` is not applied: it needs the cond.
+    - `steps_per_execution > 1`: Keras 3.15 runs each step of an execution
+      inside a tf.cond, and a step under MirroredStrategy or
+      MultiWorkerMirroredStrategy calls merge_call (every all-reduce does),
+      which fails inside a cond: fit() stops with "You must feed a value for
+      placeholder tensor '.../while/cond/Placeholder_1'" for any
+      steps_per_execution > 1, with any optimizer (keras-team/keras#19246).
+      Here the while loop's own condition checks that a batch is there, and
+      its body runs the step unconditionally. Keras's
+      `unrolled_steps_per_execution` is not applied: it needs the cond.
+    - A plain iterator of global batches (kmp.engine.host_batches): each
+      batch is split between the replicas in the step.
+
+    One step per call on tf.distribute's own iterator stays Keras's.
     """
     strategy = self.distribute_strategy
     steps = self.steps_per_execution
 
     @tf.autograph.experimental.do_not_convert
     def one_step(data):
+        if host_batches.is_global(data):
+            data = host_batches.split(strategy, data)
         outputs = strategy.run(step_function, args=(data,))
         return seams.get("reduce_per_replica")(outputs, strategy, reduction="auto")
 
@@ -575,6 +600,8 @@ def _multi_step_function(self, step_function, keras_function):
 
     @tf.autograph.experimental.do_not_convert
     def multi_step(iterator):
+        if steps == 1:  # as Keras's: the end of the data is get_next's OutOfRangeError
+            return tf.experimental.Optional.from_value(one_step(iterator.get_next()))
         outputs = tf.experimental.Optional.empty(None)  # its spec is known after the first trace
 
         def body(step, _, inputs):
@@ -595,8 +622,9 @@ def _multi_step_function(self, step_function, keras_function):
     multi_step = tf.function(multi_step, reduce_retracing=True)
 
     def function(iterator):
-        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            return keras_function(iterator)  # Keras's Python loop over a list of batches
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)) or (
+                steps == 1 and isinstance(iterator, tf.distribute.DistributedIterator)):
+            return keras_function(iterator)  # Keras's Python loop over a list of batches, or its own step
         last = multi_step(iterator)
         if not last.has_value():
             raise StopIteration

@@ -1,0 +1,117 @@
+"""kmp.engine.host_batches: under MirroredStrategy on CPU devices, a prepared model's fit() reads global
+batches from a plain iterator and splits them in the step, training exactly as on tf.distribute's
+per-replica iterator; what it cannot split keeps that iterator.
+
+The time it saves per fit() is measured in benchmarks/p1_fit_parts.py, not here.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmp
+from kmp.engine import engine, host_batches, iterators, replica_step
+
+ROWS = 149  # batches of 64, 64 and 21: the last one splits 11 / 10
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype("float32")
+    return x, rng.normal(size=(ROWS, 1)).astype("float32"), rng.uniform(size=(ROWS,)).astype("float32")
+
+
+def _train(strategy, monkeypatch, on_host, flat, steps_per_execution):
+    """Weights and logs after two epochs; the kinds of iterator the train function was handed."""
+    made = []
+    make = iterators._Deferred.made
+
+    def recorded(self, on_host=False):
+        iterator = make(self, on_host)
+        made.append(type(iterator))
+        return iterator
+
+    with monkeypatch.context() as patch:
+        patch.setattr(iterators._Deferred, "made", recorded)
+        if not on_host:
+            patch.setattr(host_batches, "possible", lambda strategy: False)
+        keras.config.set_dtype_policy("float32")
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse", metrics=["mae"],
+                          steps_per_execution=steps_per_execution)
+        kmp.prepare(model, flat_buffers=flat)
+        x, y, weights = _data()
+        model.fit(x[:64], y[:64], batch_size=64, verbose=0)  # built here (it draws a batch for the shapes)
+        made.clear()
+        history = model.fit(x, y, sample_weight=weights, batch_size=64, epochs=2, verbose=0)
+    return model.get_weights(), history.history, made
+
+
+@pytest.mark.parametrize("flat, steps_per_execution", [(True, 1), (False, 1), (True, 2)])
+def test_fit_splits_host_batches_in_the_step_exactly_as_tf_distribute(two_replicas, monkeypatch, flat,
+                                                                      steps_per_execution):
+    split = _train(two_replicas, monkeypatch, True, flat, steps_per_execution)
+    distributed = _train(two_replicas, monkeypatch, False, flat, steps_per_execution)
+    assert split[2] and all(issubclass(t, tf.data.Iterator) for t in split[2]), split[2]
+    assert distributed[2] and all(issubclass(t, tf.distribute.DistributedIterator) for t in distributed[2])
+    assert split[1] == distributed[1]
+    for a, b in zip(split[0], distributed[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_shares_are_rows_in_order_and_only_equal_shares_have_a_static_size(two_replicas):
+    local = two_replicas.experimental_local_results
+    first, second = local(host_batches.split(two_replicas, (tf.reshape(tf.range(10.0), (5, 2)), None))[0])
+    np.testing.assert_array_equal(first, [[0, 1], [2, 3], [4, 5]])
+    np.testing.assert_array_equal(second, [[6, 7], [8, 9]])
+    # kmp.engine.replica_step.row_weight reads a static row count as "equal shares", an unknown
+    # one as "weigh by the rows": five rows on two replicas must not look equal.
+    traced = []
+
+    @tf.function
+    def shares(x):
+        traced.append([v.shape[0] for v in local(host_batches.split(two_replicas, (x,))[0])])
+
+    shares(tf.zeros((5, 2)))
+    shares(tf.zeros((4, 2)))
+    shares.get_concrete_function(tf.TensorSpec((None, 2)))
+    assert traced == [[None, None], [2, 2], [None, None]]
+
+
+def test_what_cannot_be_split_in_the_step_keeps_tf_distributes_iterator(two_replicas):
+    dense = tf.data.Dataset.from_tensor_slices((np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32"))).batch(4)
+    assert host_batches.undistributed(two_replicas, two_replicas.experimental_distribute_dataset(dense)) is dense
+    with_options = two_replicas.experimental_distribute_dataset(
+        dense, tf.distribute.InputOptions(experimental_fetch_to_device=False))
+    from_function = two_replicas.distribute_datasets_from_function(lambda context: dense)
+    sparse = tf.data.Dataset.from_tensors(tf.sparse.from_dense(tf.eye(4)))
+    one_device = tf.distribute.get_strategy()
+    assert host_batches.undistributed(two_replicas, with_options) is None
+    assert host_batches.undistributed(two_replicas, from_function) is None
+    assert host_batches.undistributed(two_replicas, two_replicas.experimental_distribute_dataset(sparse)) is None
+    assert not host_batches.possible(one_device)
+    assert host_batches.possible(two_replicas)
+
+
+def test_evaluate_leaves_the_train_functions_path_and_buffers_alone(two_replicas, caplog):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    kmp.prepare(model, flat_buffers=True)
+    x, y, _ = _data()
+    model.fit(x, y, batch_size=64, verbose=0)
+    path, buffers = replica_step.describe_path(model), engine.engine_of(model)
+    with caplog.at_level(logging.INFO, logger="kmp"):
+        model.evaluate(x, y, verbose=0)
+    # evaluate() once said "flat buffers off ... the model has its own train_step" and copied the
+    # buffers out and the slots back to every replica, to be loaded again by the next fit().
+    assert not [r for r in caplog.records if "flat buffers off" in r.getMessage()]
+    assert replica_step.describe_path(model) == path and path.startswith("flat buffers")
+    assert engine.engine_of(model) is buffers and buffers.state != engine.KERAS
