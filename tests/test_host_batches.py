@@ -24,6 +24,20 @@ def _data():
     return x, rng.normal(size=(ROWS, 1)).astype("float32"), rng.uniform(size=(ROWS,)).astype("float32")
 
 
+class _Rows(keras.metrics.Metric):
+    """The rows a step saw, summed over replicas."""
+
+    def __init__(self):
+        super().__init__(name="rows")
+        self.rows = self.add_variable((), initializer="zeros", name="rows")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.rows.assign_add(tf.cast(tf.shape(y_true)[0], self.rows.dtype))
+
+    def result(self):
+        return self.rows
+
+
 def _train(strategy, monkeypatch, on_host, flat, steps_per_execution):
     """Weights and logs after two epochs; the kinds of iterator the train function was handed."""
     made = []
@@ -115,3 +129,27 @@ def test_evaluate_leaves_the_train_functions_path_and_buffers_alone(two_replicas
     assert not [r for r in caplog.records if "flat buffers off" in r.getMessage()]
     assert replica_step.describe_path(model) == path and path.startswith("flat buffers")
     assert engine.engine_of(model) is buffers and buffers.state != engine.KERAS
+
+
+def test_evaluate_splits_host_batches_exactly_as_tf_distribute(two_replicas, monkeypatch):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse",
+                      metrics=["mae", _Rows()])
+    kmp.prepare(model)
+    x, y, weights = _data()
+    model.fit(x, y, batch_size=64, verbose=0)
+    made = []
+    make = iterators._Deferred.made
+    monkeypatch.setattr(iterators._Deferred, "made", lambda self, on_host=False: made.append(
+        type(make(self, on_host))) or self._iterator)
+    split = model.evaluate(x, y, sample_weight=weights, batch_size=64, verbose=0, return_dict=True)
+    assert made and all(issubclass(t, tf.data.Iterator) for t in made), made
+    monkeypatch.setattr(host_batches, "possible", lambda strategy: False)
+    model.test_function = None
+    distributed = model.evaluate(x, y, sample_weight=weights, batch_size=64, verbose=0, return_dict=True)
+    assert issubclass(made[-1], tf.distribute.DistributedIterator)
+    assert split == distributed and split["rows"] == ROWS  # each row once, on one replica

@@ -1,25 +1,27 @@
 """Global batches read on the host and split between the replicas inside the step.
 
-Under a strategy, Keras's fit() hands each epoch's dataset to
+Under a strategy, Keras's fit() and evaluate() hand each epoch's dataset to
 `strategy.experimental_distribute_dataset`, whose iterator is a
 MultiDeviceIterator: it prefetches each replica's share onto its device and
 traces a dozen small tf.functions every time it is made. When the replicas
 are CPU devices of one machine they share the host's memory, so that buys
 nothing, and it costs about 0.1 s per fit() call (benchmarks/p1_fit_parts.py).
 
-A prepared model's train function reads such a strategy's batches from a
-plain tf.data iterator on the undistributed dataset instead, and splits each
-global batch by rows in the step (`split`):
+A prepared model's train and test functions read such a strategy's batches
+from a plain tf.data iterator on the undistributed dataset instead, and
+split each global batch by rows in the step (`split`):
 
     replica k of N gets rows [k * ceil(B / N), (k + 1) * ceil(B / N)) of a batch of B rows
 
-which is tf.distribute's split wherever B is a multiple of N. An uneven last
-batch may be split differently; kmp's step weighs each replica by the rows
-it had (kmp.engine.replica_step.row_weight), so the update is the same.
+as tf.distribute splits it (tests/test_host_batches.py trains both ways,
+uneven last batches included, and compares bit for bit). kmp's step weighs
+each replica by the rows it had (kmp.engine.replica_step.row_weight), and
+metrics sum their replicas' rows, as before.
 
 Only where the dataset is Keras's own distribution of dense, batched
-tensors: a dataset the user distributed, sparse or scalar elements, several
-workers, GPUs and TPUs keep tf.distribute's iterator.
+tensors: a dataset distributed with InputOptions or from a function, sparse
+or ragged elements, several workers, GPUs and TPUs keep tf.distribute's
+iterator.
 """
 
 from __future__ import annotations

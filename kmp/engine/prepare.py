@@ -119,8 +119,9 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
        - `steps_per_execution > 1` with several replicas (not TPU): Keras's
          loop fails under Mirrored and MultiWorkerMirrored
          (keras-team/keras#19246); kmp's runs the same steps (`_own_loop`);
-       - several CPU replicas of one process: fit()'s global batches are
-         read on the host and split in the step (kmp.engine.host_batches).
+       - several CPU replicas of one process: fit()'s and evaluate()'s global
+         batches are read on the host and split in the step
+         (kmp.engine.host_batches).
 
     The train and test functions it builds hand each input iterator to a
     thread of kmp's, which destroys it once nothing else holds it
@@ -332,8 +333,8 @@ def _build_function(self, step_function, train: bool = True):
         function = type(self)._make_function(self, step_function)
     finally:
         self._jit_compile = saved
-    # Global batches from the host, split in the step (kmp.engine.host_batches): fit()'s only.
-    on_host = train and not self.run_eagerly and host_batches.possible(self.distribute_strategy)
+    # Global batches from the host, split in the step (kmp.engine.host_batches).
+    on_host = not self.run_eagerly and host_batches.possible(self.distribute_strategy)
     if (self.steps_per_execution > 1 or on_host) and not self.run_eagerly and replica_step.splits_replicas(
             self.distribute_strategy):
         function = _own_loop(self, step_function, function)
