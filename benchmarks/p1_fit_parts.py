@@ -6,9 +6,11 @@ warm-up calls, the whole call is timed `--calls` times, then one call runs
 under cProfile and its time is split into:
 
 - the steps (Keras's train function, kmp's wrappers included);
-- making the epoch's distributed input iterator (Keras builds one per
-  fit() under a strategy: a MultiDeviceIterator, whose own tf.functions are
-  traced anew each time);
+- Keras distributing the dataset (`experimental_distribute_dataset`, once
+  per fit() under a strategy);
+- making the epoch's input iterator: tf.distribute's MultiDeviceIterator,
+  whose own tf.functions are traced anew each time, or, where kmp splits the
+  batches in the step (kmp.engine.host_batches), a plain tf.data iterator;
 - kmp's copies between the flat buffers and the Keras variables (a load
   before the first step, a store after the last);
 - the rest (callbacks, Keras's setup and teardown).
@@ -29,16 +31,21 @@ import time
 
 from common import mlp, regression_data, use_two_logical_cpus
 
-# (part, file suffix, function name): the profiled call's cumulative time in that function.
-_PARTS = [
-    ("the steps", "keras/src/backend/tensorflow/trainer.py", "function"),
-    ("the input iterator", "tensorflow/python/distribute/input_lib.py", "_create_iterators_per_worker"),
-    ("the copies", "kmp/engine/buffers.py", "_copy"),
-]
+# part -> (file suffix, function name)s: the profiled call's cumulative time in those functions.
+# The steps: kmp's own loop (kmp.engine.prepare._own_loop), which calls Keras's train function
+# only where it does not run the steps itself; the larger of the two is the steps' time.
+_STEPS = [("kmp/engine/prepare.py", "function"), ("keras/src/backend/tensorflow/trainer.py", "function")]
+_PARTS = {
+    "distributing the data": [("tensorflow/python/distribute/distribute_lib.py", "experimental_distribute_dataset")],
+    "the input iterator": [("tensorflow/python/distribute/input_lib.py", "_create_iterators_per_worker"),
+                           ("tensorflow/python/data/ops/iterator_ops.py", "_create_iterator")],
+    "the copies": [("kmp/engine/buffers.py", "_copy")],
+}
 
 
-def _cumulative(stats, suffix, name) -> float:
-    return sum(row[3] for (file, _, function), row in stats.stats.items() if file.endswith(suffix) and function == name)
+def _cumulative(stats, functions) -> float:
+    return sum(row[3] for (file, _, function), row in stats.stats.items()
+               if any(file.endswith(suffix) and function == name for suffix, name in functions))
 
 
 def main() -> None:
@@ -77,7 +84,8 @@ def main() -> None:
     profile.runcall(fit)
     profiled = time.perf_counter() - start
     stats = pstats.Stats(profile)
-    parts = {name: _cumulative(stats, suffix, function) for name, suffix, function in _PARTS}
+    parts = {"the steps": max(_cumulative(stats, [f]) for f in _STEPS)}
+    parts.update({name: _cumulative(stats, functions) for name, functions in _PARTS.items()})
     parts["the rest"] = profiled - sum(parts.values())
     print(f"P1, {args.policy}, flat buffers, MirroredStrategy on two logical CPUs, fit() of {args.steps} steps")
     print(f"whole fit(): {statistics.median(whole):.3f} s (median of {args.calls}: "
