@@ -2,8 +2,12 @@
 
 P1 (40 x Dense(256), batch 64, Adam) with kmp's flat buffers under
 MirroredStrategy on two logical CPUs, 30 steps per fit(). After three
-warm-up calls, the whole call is timed `--calls` times, then one call runs
-under cProfile and its time is split into:
+warm-up calls, whole fit() calls of 30 steps and of one step are timed in
+`--calls` interleaved rounds, each with the input kmp chooses (global
+batches split in the step) and with tf.distribute's per-replica iterator;
+the difference between the two lengths gives a step, and what one call costs
+besides its steps. Then one call runs under cProfile and its time is split
+into:
 
 - the steps (Keras's train function, kmp's wrappers included);
 - Keras distributing the dataset (`experimental_distribute_dataset`, once
@@ -18,7 +22,7 @@ under cProfile and its time is split into:
 cProfile slows Python-heavy parts more than the steps, so the split is
 read as proportions of the profiled call.
 
-    python benchmarks/p1_fit_parts.py [--policy mixed_float16] [--calls 3]
+    python benchmarks/p1_fit_parts.py [--policy mixed_float16] [--calls 5]
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def _cumulative(stats, functions) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="mixed_float16")
-    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     use_two_logical_cpus()
@@ -72,13 +76,30 @@ def main() -> None:
     def fit():
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
 
+    from kmp.engine import host_batches
+
+    split_in_step = host_batches.possible
+
+    def timed(steps, host):
+        # kmp's choice is made per fit() (kmp.engine.host_batches): off, the same train function
+        # takes tf.distribute's iterator.
+        host_batches.possible = split_in_step if host else (lambda strategy: False)
+        try:
+            start = time.perf_counter()
+            model.fit(x[:batch * steps], y[:batch * steps], batch_size=batch, epochs=1, verbose=0)
+            return time.perf_counter() - start
+        finally:
+            host_batches.possible = split_in_step
+
     for _ in range(3):
         fit()
-    whole = []
+        timed(args.steps, False)
+    # Interleaved rounds: whole fit() calls of `steps` and of one step, each input path.
+    rounds = {(steps, host): [] for steps in (args.steps, 1) for host in (True, False)}
     for _ in range(args.calls):
-        start = time.perf_counter()
-        fit()
-        whole.append(time.perf_counter() - start)
+        for key, times in rounds.items():
+            times.append(timed(*key))
+    whole = rounds[(args.steps, True)]
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.runcall(fit)
@@ -90,6 +111,11 @@ def main() -> None:
     print(f"P1, {args.policy}, flat buffers, MirroredStrategy on two logical CPUs, fit() of {args.steps} steps")
     print(f"whole fit(): {statistics.median(whole):.3f} s (median of {args.calls}: "
           f"{', '.join(f'{w:.3f}' for w in whole)})")
+    for host, name in ((True, "host batches split in the step"), (False, "tf.distribute's iterator")):
+        many, one = (statistics.median(rounds[(steps, host)]) for steps in (args.steps, 1))
+        per_step = (many - one) / (args.steps - 1)
+        print(f"input from {name}: fit() of {args.steps} steps {many:.3f} s, of 1 step {one:.3f} s; "
+              f"per call besides the steps {one - per_step:.3f} s ({per_step * 1e3:.1f} ms per step)")
     print(f"one fit() under cProfile: {profiled:.3f} s")
     for name, seconds in parts.items():
         print(f"  {name:20s} {seconds:6.3f} s  {seconds / profiled:5.1%}")
