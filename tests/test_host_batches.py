@@ -1,6 +1,6 @@
-"""kmp.engine.host_batches: under MirroredStrategy on CPU devices, a prepared model's fit() reads global
-batches from a plain iterator and splits them in the step, training exactly as on tf.distribute's
-per-replica iterator; what it cannot split keeps that iterator.
+"""kmp.engine.host_batches: under MirroredStrategy on CPU devices, a prepared model's fit() and evaluate()
+read global batches from a plain iterator and split them in the step, training exactly as on
+tf.distribute's per-replica iterator; what they cannot split keeps that iterator.
 
 The time it saves per fit() is measured in benchmarks/p1_fit_parts.py, not here.
 """
@@ -57,7 +57,7 @@ def _train(strategy, monkeypatch, on_host, flat, steps_per_execution):
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                       keras.layers.BatchNormalization(), keras.layers.Dense(1)])
-            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse", metrics=["mae"],
+            model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse", metrics=["mae", _Rows()],
                           steps_per_execution=steps_per_execution)
         kmp.prepare(model, flat_buffers=flat)
         x, y, weights = _data()
@@ -74,7 +74,7 @@ def test_fit_splits_host_batches_in_the_step_exactly_as_tf_distribute(two_replic
     distributed = _train(two_replicas, monkeypatch, False, flat, steps_per_execution)
     assert split[2] and all(issubclass(t, tf.data.Iterator) for t in split[2]), split[2]
     assert distributed[2] and all(issubclass(t, tf.distribute.DistributedIterator) for t in distributed[2])
-    assert split[1] == distributed[1]
+    assert split[1] == distributed[1] and split[1]["rows"] == [ROWS, ROWS]  # each row once an epoch
     for a, b in zip(split[0], distributed[0]):
         np.testing.assert_array_equal(a, b)
 

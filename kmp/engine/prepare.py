@@ -334,9 +334,9 @@ def _build_function(self, step_function, train: bool = True):
     finally:
         self._jit_compile = saved
     # Global batches from the host, split in the step (kmp.engine.host_batches).
-    on_host = not self.run_eagerly and host_batches.possible(self.distribute_strategy)
-    if (self.steps_per_execution > 1 or on_host) and not self.run_eagerly and replica_step.splits_replicas(
-            self.distribute_strategy):
+    strategy = self.distribute_strategy
+    on_host = not self.run_eagerly and host_batches.possible(strategy)
+    if on_host or (self.steps_per_execution > 1 and not self.run_eagerly and replica_step.splits_replicas(strategy)):
         function = _own_loop(self, step_function, function)
     if plan.engine is not None:
         function = _around_steps(plan.engine, function)
@@ -571,7 +571,7 @@ def _around_steps(flat_engine, function):
 
 
 def _own_loop(self, step_function, keras_function):
-    """The train function's steps in kmp's own tf.function, where Keras's fails or costs more.
+    """A train or test function's steps in kmp's own tf.function, where Keras's fails or costs more.
 
     - `steps_per_execution > 1`: Keras 3.15 runs each step of an execution
       inside a tf.cond, and a step under MirroredStrategy or
