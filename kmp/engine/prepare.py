@@ -284,7 +284,7 @@ def _plan(model, step_function) -> _Plan:
     # Only Keras's own train_step is swapped: a model's custom one is kept.
     stock = getattr(step_function, "__func__", None) is seams.get("TensorFlowTrainer").train_step
     every = wall_clock.interval(_breakdown_setting(model))
-    xla = (setting is True or bool(model.jit_compile) and XLA not in dropped) and not model.run_eagerly
+    xla = _xla_asked(model)
     # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
     timed_apart = bool(every) and xla and not several
     if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart):
@@ -348,13 +348,17 @@ def _build_function(self, step_function, train: bool = True):
     return overflow.raising_loss_scale_errors(iterators.releasing(function, on_host))
 
 
+def _xla_asked(model) -> bool:
+    """Whether prepare's or compile()'s jit_compile asks for XLA, unless XLA was dropped or the model runs eagerly."""
+    asked = state.setting(model, "jit_compile") is True or bool(model.jit_compile)
+    return asked and XLA not in replica_step.path_of(model)["dropped"] and not model.run_eagerly
+
+
 def _test_plan(model, step_function) -> _Plan:
     """evaluate()'s: Keras's test step as it is; the train function's path, engine and clock untouched."""
-    xla = (state.setting(model, "jit_compile") is True or bool(model.jit_compile)) and not model.run_eagerly and (
-        XLA not in replica_step.path_of(model)["dropped"])
     return _Plan(step=step_function, engine=None, stock=False, kmp_step=False,
-                 whole_step_xla=xla and model.distribute_strategy.num_replicas_in_sync == 1, replica_xla=False,
-                 finder=False, every=0, timed_apart=False)
+                 whole_step_xla=_xla_asked(model) and model.distribute_strategy.num_replicas_in_sync == 1,
+                 replica_xla=False, finder=False, every=0, timed_apart=False)
 
 
 def _path_taken(plan: _Plan) -> str:
