@@ -430,6 +430,50 @@ def test_set_weights_between_fits_is_trained_from_and_a_new_compile_gets_new_buf
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # the new loss (MAE), on the same weights
 
 
+def _loads(model):
+    """The names each load of `model`'s buffers copied (recorded from now on)."""
+    buffers, seen = engine.engine_of(model).buffers, []
+    load = buffers.load
+    buffers.load = lambda names=None: (seen.append(tuple(buffers.buffers) if names is None else tuple(names)),
+                                       load(names))[1]
+    return seen
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_fit_after_a_fit_loads_nothing_and_a_write_reloads_its_buffer_only(replicas, two_replicas):
+    """The Keras variables still holding what the last store wrote (kmp.engine.buffers.written_since_store):
+    no copy back into the buffers. A write by any route moves its variable to a new buffer: that buffer
+    (only) is loaded, and trained from as by the per-variable path."""
+    strategy = two_replicas if replicas == 2 else None
+    x, y = _data()
+    update = tf.function(lambda v: v.assign_add(tf.ones_like(v)), jit_compile=True)  # a user's XLA write
+
+    def each_component(m, variable):  # XLA takes no distributed variable: each replica's, on its device
+        for component in m.distribute_strategy.experimental_local_results(variable.value):
+            with tf.device(component.device):
+                update(component)
+    writes = [
+        ("weights", lambda m: m.get_layer("d1").kernel.assign(m.get_layer("d1").kernel * 0.5)),
+        ("momentum", lambda m: m.optimizer.inner_optimizer._momentums[0].assign_add(np.full((6, 16), 1e-2))),
+        ("weights", lambda m: each_component(m, m.get_layer("out").bias)),
+        ("weights", lambda m: m.get_layer("d1").set_weights([w + 0.1 for w in m.get_layer("d1").get_weights()])),
+    ]
+    runs = []
+    for flat in (False, True):
+        model = kmp.prepare(_model(strategy, "adam"), flat_buffers=flat)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        loads = _loads(model) if flat else []
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert loads == []
+        for name, write in writes:
+            write(model)
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+            if flat:
+                assert loads.pop() == (name,)
+        runs.append(_raw(model))
+    _assert_close(*runs)
+
+
 # --- Where the buffers do not apply --------------------------------------------
 
 

@@ -454,3 +454,66 @@ def test_kmp_global_norm_clip_equals_keras_bit_for_bit():
             np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
     inf = [tf.constant([np.inf, 1.0], "float32")]
     assert np.isnan(gradients.clip_by_global_norm(inf, 1.0)[0].numpy()).all()
+
+
+def _address(tensor):
+    view = np.asarray(tensor)
+    assert not view.flags.owndata  # numpy's view of a host tensor: its buffer, not a copy
+    return view.__array_interface__["data"][0]
+
+
+def _sgd(variable):
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    return lambda: optimizer.apply([tf.ones((4, 3))], [variable])
+
+
+def _adam_in_xla(variable):
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build([variable])
+    return tf.function(lambda: optimizer.apply([tf.ones((4, 3))], [variable]), jit_compile=True)
+
+
+def _set_weights(layer):
+    return lambda: layer.set_weights([np.full((4, 3), 7.0, "float32"), np.zeros(3, "float32")])
+
+
+# route -> (the layer's kernel -> a write of it)
+_WRITES = {
+    "assign": lambda v: lambda: v.assign(v * 2.0),
+    "assign_add": lambda v: lambda: v.assign_add(tf.ones_like(v)),
+    "assign_sub": lambda v: lambda: v.assign_sub(tf.ones_like(v)),
+    "scatter_nd_update": lambda v: lambda: v.value.scatter_nd_update([[0, 0]], [5.0]),
+    "scatter_update": lambda v: lambda: v.value.scatter_update(tf.IndexedSlices(tf.ones((1, 3)), [1])),
+    "a tf.function": lambda v: tf.function(lambda: v.value.assign_add(tf.ones((4, 3)))),
+    "an XLA tf.function": lambda v: tf.function(lambda: v.value.assign_sub(tf.ones((4, 3))), jit_compile=True),
+    "Keras's SGD": _sgd,
+    "Keras's Adam in XLA": _adam_in_xla,
+}
+
+
+@pytest.mark.parametrize("route", sorted(_WRITES) + ["set_weights"])
+def test_a_variable_written_while_its_value_is_held_moves_to_a_new_buffer(route):
+    """kmp.engine.buffers.written_since_store: TensorFlow's copy-on-write. A variable whose buffer a
+    tensor still holds is written into a new buffer, by every route; unheld, a write can be in place
+    (so an address that stays says nothing was written only while the value is held)."""
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    variable = layer.kernel
+    write = _set_weights(layer) if route == "set_weights" else _WRITES[route](variable)
+    write()  # slots and functions made: the next write is like any later one
+    held = tf.raw_ops.ReadVariableOp(resource=variable.value.handle, dtype=tf.float32)
+    copy = np.asarray(held).copy()
+    address = _address(held)
+    if route.startswith("scatter"):
+        # A variable written sparsely is read as a copy from then on: never the same address twice.
+        assert _address(variable.value.read_value()) != address
+    else:
+        assert _address(variable.value.read_value()) == address  # a read shares the buffer
+    write()
+    assert _address(variable.value.read_value()) != address
+    np.testing.assert_array_equal(held, copy)  # what was held did not change
+    if route in ("a tf.function", "an XLA tf.function"):
+        del held
+        address = _address(variable.value.read_value())
+        write()
+        assert _address(variable.value.read_value()) == address  # unheld: in place

@@ -181,6 +181,7 @@ class FlatBuffers:
                                                trainable=False, name="kmp_flat_segments")
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
+        self._held = {}  # name -> [(Keras variable component, the tensor stored, its address)] (written_since_store)
         self.missing = ()  # model positions of the variables without a gradient (see join)
 
     def place_slots(self, on_host: bool) -> None:
@@ -428,9 +429,9 @@ class FlatBuffers:
 
     # --- Between steps (eagerly): copies to and from the Keras variables ---
 
-    def load(self) -> None:
-        """Keras variables -> buffers, on every local replica."""
-        self._copy("load", tuple(self.buffers))
+    def load(self, names=None) -> None:
+        """Keras variables -> buffers (`names`, all by default), on every local replica."""
+        self._copy("load", tuple(self.buffers) if names is None else tuple(names))
 
     def store(self, names=None) -> None:
         """Buffers (`names`, all by default) -> Keras variables, on every local replica.
@@ -439,6 +440,23 @@ class FlatBuffers:
         collective every worker must join (kmp.engine.zero.whole_shards).
         """
         self._copy("store", tuple(self.buffers) if names is None else tuple(names))
+
+    def written_since_store(self) -> tuple:
+        """The buffers whose Keras variables may have been written since they were last stored (all of them
+        but those known unchanged); every record of the stores is dropped.
+
+        A store keeps, for each Keras variable it wrote, the tensor it wrote. While that tensor is held,
+        TensorFlow writes the variable into a new buffer (copy-on-write: a read value never changes), by
+        any route: `assign`, a scatter, Keras's optimizer, XLA. So a variable that still holds the same
+        buffer still holds what was stored (tests/test_keras_seams.py checks each route). Only variables in
+        host memory are compared (a tensor elsewhere has no address here).
+        """
+        held, self._held = self._held, {}
+        return tuple(n for n in self.buffers if n not in held or not all(_holds(*record) for record in held[n]))
+
+    def forget_stores(self) -> None:
+        """Drop the records of the stores (their tensors keep written-over buffers alive)."""
+        self._held = {}
 
     def is_shard(self, name: str) -> bool:
         """Whether each replica holds only its shard of buffer `name` (kmp.engine.layout)."""
@@ -490,6 +508,9 @@ class FlatBuffers:
         local = self.strategy.experimental_local_results
         # Stored whole, once, into Keras's one copy in host memory (kmp.engine.zero).
         whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+        # A load makes every record old; a store records what it wrote, name by name.
+        self._held = {} if direction == "load" else {n: h for n, h in self._held.items() if n not in names}
+        written = []
         for k, replica in enumerate(self._replica_ids()):
             buffers = {}
             for n in names:
@@ -503,7 +524,11 @@ class FlatBuffers:
                 buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if first_only else k]
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
-                copy(buffers, mirrors, replica * self.shard)
+                stored = copy(buffers, mirrors, replica * self.shard)
+            if direction == "store":
+                written += stored or [(n, v, _read(v)) for n in buffers for v in mirrors[n]]
+        for n, variable, value in written:
+            self._held.setdefault(n, []).append((variable, value, _address(value)))
 
     def _first(self, value):
         """The first replica's component of a distributed variable or value."""
@@ -524,11 +549,16 @@ class FlatBuffers:
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
+        stored = []
         for name, buffer in buffers.items():
             # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
             flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
             for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
                 _assign(variable, part)
+                stored.append((name, variable, part))
+        # Eagerly, what each variable now holds (the stored tensor itself: the variable takes its buffer, a
+        # slice of the flat one); traced, nothing (the caller reads the variables).
+        return stored if tf.executing_eagerly() else None
 
 
 class _Masked:
@@ -564,6 +594,26 @@ def _read(variable):
     if tf.executing_eagerly():
         return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
     return variable.value()
+
+
+def _address(tensor) -> tuple | None:
+    """Where a host tensor's data starts, and its shape (numpy's view of it copies nothing); None elsewhere."""
+    if not _on_host(tensor.device):
+        return None
+    view = np.asarray(tensor)
+    if view.flags.owndata or not view.size:  # a copy's address says nothing (and may be reused)
+        return None
+    return view.__array_interface__["data"][0], view.shape
+
+
+@functools.lru_cache(maxsize=None)
+def _on_host(device: str) -> bool:
+    return tf.DeviceSpec.from_string(device).device_type == "CPU"
+
+
+def _holds(variable, held, address) -> bool:
+    """Whether `variable` still holds the buffer of `held` (a value it held, kept since) at `address`."""
+    return address is not None and _address(_read(variable)) == address
 
 
 def _assign(variable, value) -> None:

@@ -17,11 +17,12 @@ No op on that path touches a per-variable optimizer state; the only
 per-variable work left is the forward/backward pass itself.
 
 Between calls of fit() and train_on_batch() the Keras variables are the
-truth: each call loads the buffers from them when it starts and stores the
-buffers into them when it ends, however it ends (as Keras's JAX trainer
-syncs its state after each train_on_batch). Any read or write between
-calls, by any route (`variable.assign`, `layer.set_weights`, a tf.function
-of the user's own), is what stock Keras would see.
+truth: each call stores the buffers into them when it ends, however it ends
+(as Keras's JAX trainer syncs its state after each train_on_batch), and
+loads the buffers whose variables were written since when it starts
+(kmp.engine.buffers.written_since_store). Any read or write between calls,
+by any route (`variable.assign`, `layer.set_weights`, a tf.function of the
+user's own), is what stock Keras would see.
 
 Inside fit() the buffers are the truth and the Keras variables lag. Like
 Keras's JAX trainer (which keeps its state as arrays and writes them back
@@ -35,7 +36,7 @@ when something may have written them:
         every on_epoch_end and on_train_end (before the callbacks);
         each hook of a callback kmp does not know, that the callback overrides;
         an overflowing step's layer diagnosis (its forward pass reads them).
-    Keras variables -> buffers (load), before the next step, after:
+    Keras variables -> buffers (load, of what was written since the last store), before the next step, after:
         set_weights / load_weights on the model (Keras's BackupAndRestore and
         EarlyStopping restore through them; kmp's BackupAndRestore says so
         itself);
@@ -124,11 +125,16 @@ class Engine:
     # --- The state machine ---
 
     def stepped(self) -> None:
+        if self.state != FLAT:
+            self.buffers.forget_stores()  # the buffers move on: what was stored is old
         self.state = FLAT
 
     def before_step(self) -> None:
         if self.state == KERAS:
-            self.buffers.load()
+            # Only what was written since the last store (usually nothing: a fit() after a fit()).
+            names = self.buffers.written_since_store()
+            if names:
+                self.buffers.load(names)
             self.state = SAME
 
     def observe(self, state: bool = True) -> None:
@@ -150,6 +156,7 @@ class Engine:
         """Before Keras's per-variable update trains the model instead: its slot variables current,
         on every replica (kmp.engine.zero), and loaded again if the buffers come back."""
         self.written()
+        self.buffers.forget_stores()
         self.buffers.place_slots(on_host=False)
 
     # --- The step (replica context) ---
