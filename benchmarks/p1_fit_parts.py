@@ -15,8 +15,9 @@ into:
 - making the epoch's input iterator: tf.distribute's MultiDeviceIterator,
   whose own tf.functions are traced anew each time, or, where kmp splits the
   batches in the step (kmp.engine.host_batches), a plain tf.data iterator;
-- kmp's copies between the flat buffers and the Keras variables (a load
-  before the first step, a store after the last);
+- kmp's copies between the flat buffers and the Keras variables (a store
+  after the last step; before the first, a check of what was written since
+  the last store, and a load of that);
 - the rest (callbacks, Keras's setup and teardown).
 
 cProfile slows Python-heavy parts more than the steps, so the split is
@@ -43,7 +44,7 @@ _PARTS = {
     "distributing the data": [("tensorflow/python/distribute/distribute_lib.py", "experimental_distribute_dataset")],
     "the input iterator": [("tensorflow/python/distribute/input_lib.py", "_create_iterators_per_worker"),
                            ("tensorflow/python/data/ops/iterator_ops.py", "_create_iterator")],
-    "the copies": [("kmp/engine/buffers.py", "_copy")],
+    "the copies": [("kmp/engine/buffers.py", "_copy"), ("kmp/engine/buffers.py", "written_since_store")],
 }
 
 

@@ -1,14 +1,16 @@
 """What keeping the Keras variables current costs on the flat engine, on P1.
 
-fit() and train_on_batch() load the flat buffers from the Keras variables
-when they start and store them when they end (kmp.engine). A fit() pays that
-once per call; a train_on_batch loop once per step. Side by side in one
-process, in interleaved rounds (the issues' 40 x Dense(256) MLP, batch 64,
-MirroredStrategy on two logical CPUs):
+fit() and train_on_batch() store the flat buffers into the Keras variables
+when they end, and when they start load the buffers whose variables were
+written since (kmp.engine; usually none, checked by one read per variable).
+A fit() pays that once per call; a train_on_batch loop once per step. Side
+by side in one process, in interleaved rounds (the issues' 40 x Dense(256)
+MLP, batch 64, MirroredStrategy on two logical CPUs):
 
 - kmp flat, fit(): steady ms per step (no copies inside fit());
-- kmp flat, train_on_batch: ms per call, a load and a store each;
-- the load and the store alone (kmp.engine.buffers's copies, as the calls make them);
+- kmp flat, train_on_batch: ms per call, a check and a store each;
+- the check and the store alone, as the calls make them;
+- a load and a store, the copies a call would make without the check;
 - kmp per-variable and stock Keras, train_on_batch: ms per call.
 
     python benchmarks/train_on_batch_sync.py [--policy float32] [--rounds 5] [--calls 30]
@@ -53,13 +55,15 @@ def _on_batches(model, x, y, calls):
     return measure
 
 
-def _copies(model, calls):
+def _copies(model, calls, check: bool):
     buffers = engine.engine_of(model).buffers
 
     def measure():
         start = time.perf_counter()
         for _ in range(calls):
-            buffers.load()
+            names = buffers.written_since_store() if check else tuple(buffers.buffers)
+            if names:
+                buffers.load(names)
             buffers.store()
         return (time.perf_counter() - start) * 1000 / calls
 
@@ -79,12 +83,14 @@ def main() -> None:
     variants = {
         "kmp flat, fit() steady step": lambda: common.fit_ms_per_step(models["flat"], x, y, BATCH),
         "kmp flat, train_on_batch": _on_batches(models["flat"], x, y, args.calls),
+        "kmp flat, check + store alone": None,
         "kmp flat, load + store alone": None,
         "kmp per-variable, train_on_batch": _on_batches(models["per-variable"], x, y, args.calls),
         "stock Keras, train_on_batch": _on_batches(models["stock"], x, y, args.calls),
     }
     models["flat"].train_on_batch(x[:BATCH], y[:BATCH])  # builds the engine
-    variants["kmp flat, load + store alone"] = _copies(models["flat"], args.calls)
+    variants["kmp flat, check + store alone"] = _copies(models["flat"], args.calls, check=True)
+    variants["kmp flat, load + store alone"] = _copies(models["flat"], args.calls, check=False)
     print(f"P1 (40 x Dense(256), batch {BATCH}), {args.policy}, MirroredStrategy on two logical CPUs; "
           f"{args.rounds} rounds of {args.calls} calls")
     common.report("ms per step", common.interleaved(variants, args.rounds), "kmp flat, fit() steady step")

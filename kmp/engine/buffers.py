@@ -182,6 +182,8 @@ class FlatBuffers:
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
         self._held = {}  # name -> [(Keras variable component, the tensor stored, its address)] (written_since_store)
+        self._split_now = {}
+        self._plans = {}  # buffer name -> _CopyPlan
         self.missing = ()  # model positions of the variables without a gradient (see join)
 
     def place_slots(self, on_host: bool) -> None:
@@ -511,6 +513,7 @@ class FlatBuffers:
         # A load makes every record old; a store records what it wrote, name by name.
         self._held = {} if direction == "load" else {n: h for n, h in self._held.items() if n not in names}
         written = []
+        self._split_now = {}  # id of a whole buffer -> its parts, for every replica of this store (host memory)
         for k, replica in enumerate(self._replica_ids()):
             buffers = {}
             for n in names:
@@ -527,6 +530,7 @@ class FlatBuffers:
                 stored = copy(buffers, mirrors, replica * self.shard)
             if direction == "store":
                 written += stored or [(n, v, _read(v)) for n in buffers for v in mirrors[n]]
+        self._split_now = {}
         for n, variable, value in written:
             self._held.setdefault(n, []).append((variable, value, _address(value)))
 
@@ -543,22 +547,71 @@ class FlatBuffers:
         return self._ids
 
     def _load_component(self, buffers, mirrors, offset):
+        eager = tf.executing_eagerly()
         for name, buffer in buffers.items():
             # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
-            flat = self._joined(name, [_read(v) for v in mirrors[name]])
+            values = [_read(v) for v in mirrors[name]]
+            flat = self._copy_plan(name).joined(values) if eager else self._joined(name, values)
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
         stored = []
+        eager = tf.executing_eagerly()
         for name, buffer in buffers.items():
             # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
-            flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
-            for variable, part in zip(mirrors[name], self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]])):
+            if eager and id(buffer) in self._split_now:  # a buffer gathered whole, split for an earlier replica
+                parts = self._split_now[id(buffer)]
+            else:
+                flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
+                parts = (self._copy_plan(name).parts(flat) if eager
+                         else self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]]))
+                if eager and not isinstance(buffer, tf.Variable):
+                    self._split_now[id(buffer)] = parts
+            for variable, part in zip(mirrors[name], parts):
                 _assign(variable, part)
                 stored.append((name, variable, part))
         # Eagerly, what each variable now holds (the stored tensor itself: the variable takes its buffer, a
         # slice of the flat one); traced, nothing (the caller reads the variables).
-        return stored if tf.executing_eagerly() else None
+        return stored if eager else None
+
+    def _copy_plan(self, name: str) -> "_CopyPlan":
+        plans = self._plans
+        if name not in plans:
+            pad = getattr(self.rule, "pads", {}).get(name, 0)
+            shapes = [tuple(v.shape) for v in self.mirrors[name]]
+            plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans], pad,
+                                    self.buffers[name].dtype)
+        return plans[name]
+
+
+class _CopyPlan:
+    """_parts and _joined of one buffer made eagerly as bare ops, their shapes and paddings made once:
+    the copies between fit() calls run a few hundred ops per replica, and each op's Python counts."""
+
+    def __init__(self, shapes, spans, pad, dtype):
+        pieces, self.wanted, self.flat, self.pads = [], [], [], []
+        with tf.init_scope():
+            for shape, n, span in zip(shapes, sizes(shapes), spans):
+                # Each variable's piece (reshaped unless 1-D), then its padding, if any.
+                self.wanted.append((len(pieces), None if len(shape) == 1 else _shape_tensor(shape)))
+                self.flat.append(None if len(shape) == 1 else _shape_tensor((n,)))
+                self.pads.append(tf.fill((span - n,), tf.constant(pad, dtype)) if span > n else None)
+                pieces += [n, span - n] if span > n else [n]
+            self.splits, self.count = tf.constant(pieces, tf.int64), len(pieces)
+            self.axis = tf.constant(0, tf.int32)
+
+    def parts(self, flat) -> list:
+        parts = tf.raw_ops.SplitV(value=flat, size_splits=self.splits, axis=self.axis, num_split=self.count)
+        return [parts[k] if shape is None else tf.raw_ops.Reshape(tensor=parts[k], shape=shape)
+                for k, shape in self.wanted]
+
+    def joined(self, values):
+        pieces = []
+        for value, flat, pad in zip(values, self.flat, self.pads):
+            pieces.append(value if flat is None else tf.raw_ops.Reshape(tensor=value, shape=flat))
+            if pad is not None:
+                pieces.append(pad)
+        return tf.raw_ops.ConcatV2(values=pieces, axis=self.axis)
 
 
 class _Masked:
