@@ -451,7 +451,8 @@ class FlatBuffers:
         TensorFlow writes the variable into a new buffer (copy-on-write: a read value never changes), by
         any route: `assign`, a scatter, Keras's optimizer, XLA. So a variable that still holds the same
         buffer still holds what was stored (tests/test_keras_seams.py checks each route). Only variables in
-        host memory are compared (a tensor elsewhere has no address here).
+        host memory are compared (a tensor elsewhere has no address here); a variable written sparsely is
+        read as a copy from then on, so it always counts as written.
         """
         held, self._held = self._held, {}
         return tuple(n for n in self.buffers if n not in held or not all(_holds(*record) for record in held[n]))
