@@ -72,7 +72,7 @@ from kmp.scaling.gradients import unscale
 
 logger = logging.getLogger(__name__)
 
-EAGER_COPIES = 50  # copies each way made eagerly before one traced graph makes them (see _copy)
+EAGER_COPIES = 50  # loads made eagerly before one traced graph makes them (see _copy)
 IN_PLACE_FROM = 16384  # elements: a variable's gradient this large is written into the flat one in place (join)
 
 
@@ -498,13 +498,14 @@ class FlatBuffers:
         return tf.repeat(tf.range(len(self.spans)), self.spans)
 
     def _copy(self, direction: str, names: tuple) -> None:
-        # Component by component, each on its own device. Eagerly at first: a
-        # traced graph of thousands of ops takes seconds to optimize on its first
-        # call; a copy made often (a callback kmp does not know, each batch) pays
-        # for the graph after about EAGER_COPIES calls.
+        # Component by component, each on its own device. Eagerly (planned bare ops, _CopyPlan); a load
+        # made often (a callback kmp does not know writes each batch) by one traced graph after
+        # EAGER_COPIES loads: it reads and joins faster, but takes seconds to optimize on its first call
+        # for a model of a thousand variables. A traced store is slower than the eager one (P1: 25
+        # against 19 ms; 1004 variables: 87 against 68 ms), so the store is never traced.
         calls = self._calls[direction] = self._calls.get(direction, 0) + 1
         copy = self._load_component if direction == "load" else self._store_component
-        if calls > EAGER_COPIES:
+        if direction == "load" and calls > EAGER_COPIES:
             if direction not in self._graphs:
                 self._graphs[direction] = tf.function(copy, autograph=False)
             copy = self._graphs[direction]
@@ -529,8 +530,7 @@ class FlatBuffers:
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 stored = copy(buffers, mirrors, replica * self.shard)
-            if direction == "store":
-                written += stored or [(n, v, _read(v)) for n in buffers for v in mirrors[n]]
+            written += stored or []
         self._split_now = {}
         for n, variable, value in written:
             self._held.setdefault(n, []).append((variable, value, _address(value)))
@@ -556,24 +556,21 @@ class FlatBuffers:
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
+        """Eagerly (never traced: see _copy); returns (name, variable, the tensor it now holds) for each variable."""
         stored = []
-        eager = tf.executing_eagerly()
         for name, buffer in buffers.items():
-            # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
-            if eager and id(buffer) in self._split_now:  # a buffer gathered whole, split for an earlier replica
+            if id(buffer) in self._split_now:  # a buffer gathered whole, split for an earlier replica
                 parts = self._split_now[id(buffer)]
             else:
+                # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
                 flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
-                parts = (self._copy_plan(name).parts(flat) if eager
-                         else self._parts(flat, name, [tuple(v.shape) for v in mirrors[name]]))
-                if eager and not isinstance(buffer, tf.Variable):
+                parts = self._copy_plan(name).parts(flat)
+                if not isinstance(buffer, tf.Variable):
                     self._split_now[id(buffer)] = parts
             for variable, part in zip(mirrors[name], parts):
-                _assign(variable, part)
+                _assign(variable, part)  # the variable takes the part's buffer (a slice of the flat one): no copy
                 stored.append((name, variable, part))
-        # Eagerly, what each variable now holds (the stored tensor itself: the variable takes its buffer, a
-        # slice of the flat one); traced, nothing (the caller reads the variables).
-        return stored if eager else None
+        return stored
 
     def _copy_plan(self, name: str) -> "_CopyPlan":
         plans = self._plans
