@@ -471,16 +471,15 @@ class FlatBuffers:
         for position, variable in zip(self.order, self.variables):
             fused._local(variable).assign(values[position])
 
-    def _parts(self, flat, name="weights", shapes=None):
-        """Whole buffer `name` as one tensor per variable (of `shapes`, the variables' by default), in buffer order."""
-        shapes = self.shapes if shapes is None else shapes
+    def _parts(self, flat):
+        """The whole weights as one tensor per variable, in buffer order (traced: split's)."""
         # One split into each variable and each padding after it: no slice per variable.
         pieces, keep = [], []
-        for span, n in zip((self._length(name, span) for span in self.spans), sizes(shapes)):
+        for span, n in zip(self.spans, self.sizes):
             keep.append(len(pieces))
             pieces += [n, span - n] if span > n else [n]
         parts = tf.split(flat, pieces)
-        return [_reshaped(parts[k], s) for k, s in zip(keep, shapes)]
+        return [_reshaped(parts[k], s) for k, s in zip(keep, self.shapes)]
 
     def _joined(self, name, values):
         """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
