@@ -444,8 +444,12 @@ def _loads(model):
     """The names each load of `model`'s buffers copied (recorded from now on)."""
     buffers, seen = engine.engine_of(model).buffers, []
     load = buffers.load
-    buffers.load = lambda names=None: (seen.append(tuple(buffers.buffers) if names is None else tuple(names)),
-                                       load(names))[1]
+
+    def recorded(names=None):
+        seen.append(tuple(buffers.buffers) if names is None else tuple(names))
+        load(names)
+
+    buffers.load = recorded
     return seen
 
 

@@ -455,7 +455,8 @@ class FlatBuffers:
         read as a copy from then on, so it always counts as written.
         """
         held, self._held = self._held, {}
-        return tuple(n for n in self.buffers if n not in held or not all(_holds(*record) for record in held[n]))
+        return tuple(n for n in self.buffers
+                     if n not in held or not all(_holds(variable, address) for variable, _, address in held[n]))
 
     def forget_stores(self) -> None:
         """Drop the records of the stores (their tensors keep written-over buffers alive)."""
@@ -500,8 +501,8 @@ class FlatBuffers:
         # Component by component, each on its own device. Eagerly (planned bare ops, _CopyPlan); a load
         # made often (a callback kmp does not know writes each batch) by one traced graph after
         # EAGER_COPIES loads: it reads and joins faster, but takes seconds to optimize on its first call
-        # for a model of a thousand variables. A traced store is slower than the eager one (P1: 25
-        # against 19 ms; 1004 variables: 87 against 68 ms), so the store is never traced.
+        # for a model of a thousand variables. A traced store is slower than the eager one
+        # (benchmarks/RESULTS.md, p1_fit_parts), so the store is never traced.
         calls = self._calls[direction] = self._calls.get(direction, 0) + 1
         copy = self._load_component if direction == "load" else self._store_component
         if direction == "load" and calls > EAGER_COPIES:
@@ -661,8 +662,8 @@ def _on_host(device: str) -> bool:
     return tf.DeviceSpec.from_string(device).device_type == "CPU"
 
 
-def _holds(variable, held, address) -> bool:
-    """Whether `variable` still holds the buffer of `held` (a value it held, kept since) at `address`."""
+def _holds(variable, address) -> bool:
+    """Whether `variable` still holds the buffer at `address` (a record's, whose tensor keeps it alive)."""
     return address is not None and _address(_read(variable)) == address
 
 
