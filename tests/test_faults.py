@@ -78,6 +78,27 @@ def test_the_floor_raises_loss_scale_error_in_plain_fit_and_train_on_batch(two_r
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+@pytest.mark.parametrize("call", ["fit", "train_on_batch"])
+def test_a_step_stuck_in_the_first_call_on_one_device_raises_loss_scale_error(call):
+    """A mixed_float16 model on one device builds its optimizer inside its first train function call: the
+    optimizer made that call raise kmp's type when the model was compiled (Keras's compile() of such a
+    model asks the optimizer's truth value). The scale starts at the floor: the first step is stuck."""
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    finally:
+        keras.config.set_dtype_policy(policy)
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1.0, log_overflows=False)
+    model.compile(optimizer=opt, loss=_InfLoss())
+    assert model.train_function is None and not opt.built  # nothing traced or built before the call
+    with pytest.raises(LossScaleError) as info:
+        model.fit(*XY, batch_size=8, verbose=0) if call == "fit" else model.train_on_batch(*XY)
+    _assert_remedies_first(info.value)
+    assert int(opt.iterations.numpy()) == 0  # the stuck step was the first
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
 def test_other_errors_pass_through_unchanged():
     model = kmp.prepare(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
     model.compile(optimizer="sgd", loss="mse")

@@ -189,10 +189,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.per_replica_window = replica_state.PerReplicaWindow(
                 self.accumulation.local_state, self.accumulation.micro_steps)
 
+    def __bool__(self) -> bool:
+        # Keras's compile() of a mixed_float16 model asks `self.optimizer and ...` (whether to wrap it in
+        # Keras's own LossScaleOptimizer). On one device that is the only call from the model before its
+        # first train function call traces the step: the floor's error is converted from that call on.
+        if "loss_scale_config" in vars(self):  # not while __init__ runs
+            self._raise_floor_errors_in_caller()
+        return True
+
     def _raise_floor_errors_in_caller(self):
-        """In the model that builds or traces this optimizer (fit, train_on_batch, load_weights), a step
-        stuck at the floor raises kmp.LossScaleError, not TensorFlow's InvalidArgumentError of the
-        in-graph assert (kmp.scaling.overflow.raise_floor_errors_in)."""
+        """In the model that compiles (with mixed_float16), builds or traces this optimizer (fit,
+        train_on_batch, load_weights), a step stuck at the floor raises kmp.LossScaleError, not
+        TensorFlow's InvalidArgumentError of the in-graph assert (kmp.scaling.overflow.raise_floor_errors_in)."""
         config = self.loss_scale_config
         if config.dynamic and config.raise_at_min_scale:
             model = calling_model(self)
