@@ -83,6 +83,14 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "tensorflow.python.eager.context", "context",
         "kmp.distribute.leaving: the coordination service's barrier, where a multi-worker job's tasks meet at exit",
     ),
+    "new_executor": (
+        "tensorflow.python.eager.executor", "new_executor",
+        "kmp.engine.buffers: the copies between the flat buffers and the Keras variables queue their eager ops",
+    ),
+    "executor_scope": (
+        "tensorflow.python.eager.context", "executor_scope",
+        "kmp.engine.buffers: the copies between the flat buffers and the Keras variables queue their eager ops",
+    ),
     "get_global_attribute": (
         "keras.src.backend.common.global_state", "get_global_attribute",
         "kmp.prepare on one device: a build from shapes that fails leaves no Keras name scope open",

@@ -27,6 +27,7 @@ from keras.src.backend.tensorflow.trainer import TFEpochIterator
 import kmp
 from kmp import seams
 from kmp.engine import fused
+from kmp.engine.buffers import _queued
 from kmp.errors import KmpError
 
 
@@ -517,3 +518,20 @@ def test_a_variable_written_while_its_value_is_held_moves_to_a_new_buffer(route)
         address = _address(variable.value.read_value())
         write()
         assert _address(variable.value.read_value()) == address  # unheld: in place
+
+
+def test_queued_ops_have_run_when_the_queue_is_left_and_an_error_does_not_stay():
+    """kmp.engine.buffers._queued: the copies' eager ops on an executor thread of their own. Leaving it,
+    every op has run (a read on the default executor sees the writes); an op's error is raised there,
+    and the next use of the queue works."""
+    variables = [tf.Variable(tf.zeros([64, 64])) for _ in range(50)]
+    with _queued():
+        for k, variable in enumerate(variables):
+            variable.assign(tf.fill([64, 64], float(k)))
+    assert [float(v.numpy()[0, 0]) for v in variables] == [float(k) for k in range(50)]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        with _queued():
+            tf.raw_ops.AssignVariableOp(resource=variables[0].handle, value=tf.zeros([3]), validate_shape=True)
+    with _queued():
+        variables[1].assign(tf.ones([64, 64]))
+    assert float(variables[1].numpy().sum()) == 64 * 64

@@ -54,6 +54,8 @@ each element's variable index.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
 import math
@@ -62,6 +64,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kmp import seams
 from kmp.distribute.same_start import same_start
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import fused, layout, replica_state, zero
@@ -455,8 +458,11 @@ class FlatBuffers:
         read as a copy from then on, so it always counts as written.
         """
         held, self._held = self._held, {}
-        return tuple(n for n in self.buffers
-                     if n not in held or not all(_holds(variable, address) for variable, _, address in held[n]))
+        records = [(n, variable, address) for n in held for variable, _, address in held[n]]
+        with _queued():  # every read made before the first address is asked for
+            values = [_read(variable) for _, variable, _ in records]
+        moved = {n for (n, _, address), value in zip(records, values) if address is None or _address(value) != address}
+        return tuple(n for n in self.buffers if n not in held or n in moved)
 
     def forget_stores(self) -> None:
         """Drop the records of the stores (their tensors keep written-over buffers alive)."""
@@ -509,11 +515,19 @@ class FlatBuffers:
             if direction not in self._graphs:
                 self._graphs[direction] = tf.function(copy, autograph=False)
             copy = self._graphs[direction]
-        local = self.strategy.experimental_local_results
-        # Stored whole, once, into Keras's one copy in host memory (kmp.engine.zero).
-        whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
         # A load makes every record old; a store records what it wrote, name by name.
         self._held = {} if direction == "load" else {n: h for n, h in self._held.items() if n not in names}
+        # Queued to a thread of their own (_queued); not across workers, where a store gathers by a collective.
+        with contextlib.nullcontext() if self.layout.across_workers else _queued():
+            # Stored whole, once, into Keras's one copy in host memory (kmp.engine.zero).
+            whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+            written = self._copy_replicas(copy, direction, names, whole)
+        for n, variable, value in written:
+            self._held.setdefault(n, []).append((variable, value, _address(value)))
+
+    def _copy_replicas(self, copy, direction: str, names: tuple, whole: dict) -> list:
+        """`copy` (a load or a store) of `names` on every local replica; what a store wrote."""
+        local = self.strategy.experimental_local_results
         written = []
         self._split_now = {}  # id of a whole buffer -> its parts, for every replica of this store (host memory)
         for k, replica in enumerate(self._replica_ids()):
@@ -529,11 +543,9 @@ class FlatBuffers:
                 buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if first_only else k]
             mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
-                stored = copy(buffers, mirrors, replica * self.shard)
-            written += stored or []
+                written += copy(buffers, mirrors, replica * self.shard) or []
         self._split_now = {}
-        for n, variable, value in written:
-            self._held.setdefault(n, []).append((variable, value, _address(value)))
+        return written
 
     def _first(self, value):
         """The first replica's component of a distributed variable or value."""
@@ -662,9 +674,27 @@ def _on_host(device: str) -> bool:
     return tf.DeviceSpec.from_string(device).device_type == "CPU"
 
 
-def _holds(variable, address) -> bool:
-    """Whether `variable` still holds the buffer at `address` (a record's, whose tensor keeps it alive)."""
-    return address is not None and _address(_read(variable)) == address
+_QUEUE = []  # the copies' asynchronous executor, made when first used (_queued)
+
+
+@contextlib.contextmanager
+def _queued():
+    """Eager ops made in here are queued to an executor thread of their own, which runs each while Python
+    makes the next: a copy makes hundreds, each costing tens of microseconds to make and as much to run
+    (benchmarks/RESULTS.md, p1_fit_parts). All have run when it exits; an op's error is raised then."""
+    if not _QUEUE:
+        _QUEUE.append(seams.get("new_executor")(enable_async=True))
+        atexit.register(_QUEUE.clear)  # deleted while TensorFlow is loaded: its __del__ waits for the queue
+    queue = _QUEUE[0]
+    try:
+        with seams.get("executor_scope")(queue):
+            yield
+    finally:
+        try:
+            queue.wait()
+        except Exception:
+            queue.clear_error()  # or every later op queued there fails with it
+            raise
 
 
 def _assign(variable, value) -> None:
