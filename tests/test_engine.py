@@ -552,6 +552,50 @@ def test_a_variable_without_gradient_is_not_updated_as_in_keras(caplog):
     assert "AutoGraph could not transform" not in caplog.text
 
 
+class _OneHotLookup(keras.layers.Layer):
+    """An embedding lookup as a one-hot matmul: the same rows, a dense gradient."""
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=(10, 3), name="embeddings")
+
+    def call(self, ids):
+        return keras.ops.matmul(keras.ops.one_hot(ids, 10), self.embeddings)
+
+
+def test_a_sparse_gradient_is_summed_before_it_is_squared_and_kmp_says_so(two_replicas, caplog):
+    """An embedding lookup's gradient, with ids repeated in each replica's batch: Keras 3's Adam squares
+    each looked-up row before the repeats and the replicas' rows are summed; the flat buffers square the
+    summed gradient, as Adam on a dense gradient (here a one-hot matmul, under stock Keras) does. kmp says so
+    once; the per-variable path keeps Keras's update."""
+    rng = np.random.default_rng(0)
+    ids, y = rng.integers(0, 10, (16, 4)).astype("int32"), rng.normal(size=(16, 1)).astype("float32")
+
+    def trained(kind, lookup="embedding"):
+        keras.utils.set_random_seed(0)
+        with two_replicas.scope():
+            first = keras.layers.Embedding(10, 3, name="emb") if lookup == "embedding" else _OneHotLookup(name="emb")
+            model = keras.Sequential([keras.Input((4,), dtype="int32"), first, keras.layers.Flatten(),
+                                      keras.layers.Dense(1, name="out")], name="lookup")
+            model.set_weights(initial)  # the same start for both lookups
+            optimizer = keras.optimizers.Adam(1e-2)
+            model.compile(optimizer=optimizer if kind == "stock" else kmp.wrap(optimizer), loss="mse")
+        if kind != "stock":
+            kmp.prepare(model, flat_buffers=kind == "flat")
+        model.fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return [v.numpy() for v in model.trainable_variables]
+
+    rows = np.random.default_rng(1).normal(size=(10, 3)).astype("float32")
+    initial = [rows, np.full((12, 1), 0.1, "float32"), np.zeros(1, "float32")]
+    with caplog.at_level(logging.WARNING, logger="kmp.engine.buffers"):
+        stock, per_variable = trained("stock"), trained("per-variable")
+        assert "is sparse" not in caplog.text
+        flat, dense = trained("flat"), trained("stock", lookup="one-hot")
+    assert caplog.text.count("kmp: the gradient of lookup/emb/embeddings is sparse (an embedding lookup)") == 1
+    _assert_close(stock, per_variable)
+    _assert_close(flat, dense)
+    assert np.abs(flat[0] - stock[0]).max() > 1e-3  # the rows' second moments differ where ids repeat
+
+
 def test_auto_keeps_large_variables_per_variable(caplog):
     def large():
         keras.utils.set_random_seed(0)

@@ -37,7 +37,8 @@ The update is Keras's `update_step`, op for op: for SGD (momentum,
 nesterov), Adam and AdamW kmp.engine.fused's `_SGD`/`_Adam` rules run on the flat
 slots; Lion, Adagrad and Lamb have their rules here (Lamb's trust ratio per
 variable, as segment norms). Weights agree with the per-variable path to
-about one ulp per step.
+about one ulp per step, except where a sparse gradient's rows repeat: Keras
+squares them one by one, the buffers their sum (join says so; docs/engine.md).
 
 8-bit states (kmp.Adam8bit, kmp.AdamW8bit) are quantized by blocks of each
 variable: with them every variable starts on a block in every buffer (its
@@ -68,7 +69,7 @@ from kmp import seams
 from kmp.distribute.same_start import same_start
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import fused, layout, replica_state, zero
-from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES
+from kmp.engine.rules import ADAM_SLOTS, HYPERPARAMETERS, RULES, SQUARING
 from kmp.memory.estimate import ALIGN
 from kmp.scaling import overflow
 from kmp.scaling.gradients import unscale
@@ -188,6 +189,7 @@ class FlatBuffers:
         self._split_now = {}
         self._plans = {}  # buffer name -> _CopyPlan
         self.missing = ()  # model positions of the variables without a gradient (see join)
+        self._sparse_noted = False  # join's note on sparse gradients, said once
 
     def place_slots(self, on_host: bool) -> None:
         """ZeRO stage 1: Keras's whole copy of the slots once in host memory, or (for Keras's own
@@ -238,6 +240,16 @@ class FlatBuffers:
                 names = ", ".join(self.model.trainable_variables[i].path for i in missing[:3])
                 logger.warning("kmp: no gradient for %d trainable variable(s) (%s%s); they are not updated, "
                                "as Keras does.", len(missing), names, ", ..." if len(missing) > 3 else "")
+        sparse = [self.model.trainable_variables[i].path for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        if sparse and self.rule in SQUARING and not self._sparse_noted:
+            self._sparse_noted = True
+            logger.warning(
+                "kmp: the gradient of %s is sparse (an embedding lookup). The flat buffers sum its repeated rows "
+                "and the replicas' before %s squares it, as tf.keras 2 and PyTorch do; Keras 3 squares each row "
+                "first, so where ids repeat the result differs from stock Keras (whose result then depends on the "
+                "number of replicas too). kmp.prepare(model, flat_buffers=False) keeps Keras's update.",
+                sparse[0] if len(sparse) == 1 else f"{len(sparse)} variables ({', '.join(sparse[:3])})",
+                type(self.inner).__name__)
         # Each length from its variable: a traced gradient's static shape may be unknown (a tied
         # embedding's IndexedSlices made dense, keras-hub's transformers).
         # Each op runs on its own outside XLA: there, one division of the joined gradient, not one per variable.

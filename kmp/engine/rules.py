@@ -109,6 +109,12 @@ class EightBitAdam:
         return fused._Adam.update(s, h, value, grad, moments)
 
 
+# The rules whose Keras update squares the gradient (a second moment, an accumulator). Keras squares a sparse
+# gradient (an embedding lookup's) row by row, before repeated rows and the replicas' rows are summed; the flat
+# buffers receive the summed gradient and square that (kmp.engine.buffers.join says so once). kmp's 8-bit
+# update makes the gradient dense first on both paths.
+SQUARING = (fused._Adam, Adagrad, Lamb)
+
 RULES = {keras.optimizers.SGD: fused._SGD, keras.optimizers.Adam: fused._Adam, keras.optimizers.AdamW: fused._Adam,
           keras.optimizers.Lion: Lion, keras.optimizers.Adagrad: Adagrad, keras.optimizers.Lamb: Lamb,
           Adam8bit: EightBitAdam, AdamW8bit: EightBitAdam}
