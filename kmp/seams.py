@@ -81,7 +81,8 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
     ),
     "eager_context": (
         "tensorflow.python.eager.context", "context",
-        "kmp.distribute.leaving: the coordination service's barrier, where a multi-worker job's tasks meet at exit",
+        "kmp.distribute.leaving: the coordination service's barrier, where a multi-worker job's tasks meet at exit; "
+        "kmp.engine.buffers: whether eager ops already run asynchronously",
     ),
     "new_executor": (
         "tensorflow.python.eager.executor", "new_executor",

@@ -535,3 +535,18 @@ def test_queued_ops_have_run_when_the_queue_is_left_and_an_error_does_not_stay()
     with _queued():
         variables[1].assign(tf.ones([64, 64]))
     assert float(variables[1].numpy().sum()) == 64 * 64
+
+
+def test_ops_already_asynchronous_stay_on_their_executor(monkeypatch):
+    """Where eager ops already run asynchronously (tf.config.experimental.set_synchronous_execution(False)),
+    kmp.engine.buffers._queued keeps them on that executor, in order with what was queued there before."""
+    context, executor = seams.get("eager_context")(), seams.get("new_executor")(enable_async=True)
+    with seams.get("executor_scope")(executor):
+        monkeypatch.setitem(seams._resolved, "executor_scope", lambda _: pytest.fail("a second executor"))
+        variable = tf.Variable(0.0)
+        variable.assign(3.0)  # queued on the caller's executor
+        with _queued():
+            assert context.is_async()
+            doubled = variable.read_value() * 2.0
+        executor.wait()
+    assert float(doubled) == 6.0

@@ -694,6 +694,9 @@ def _queued():
     """Eager ops made in here are queued to an executor thread of their own, which runs each while Python
     makes the next: a copy makes hundreds, each costing tens of microseconds to make and as much to run
     (benchmarks/RESULTS.md, p1_fit_parts). All have run when it exits; an op's error is raised then."""
+    if seams.get("eager_context")().is_async():  # already queued, in order with what was queued before
+        yield
+        return
     if not _QUEUE:
         _QUEUE.append(seams.get("new_executor")(enable_async=True))
         atexit.register(_QUEUE.clear)  # deleted while TensorFlow is loaded: its __del__ waits for the queue
