@@ -244,10 +244,10 @@ class FlatBuffers:
         if sparse and self.rule in SQUARING and not self._sparse_noted:
             self._sparse_noted = True
             logger.warning(
-                "kmp: the gradient of %s is sparse (an embedding lookup). The flat buffers sum its repeated rows "
-                "and the replicas' before %s squares it, as tf.keras 2 and PyTorch do; Keras 3 squares each row "
-                "first, so where ids repeat the result differs from stock Keras (whose result then depends on the "
-                "number of replicas too). kmp.prepare(model, flat_buffers=False) keeps Keras's update.",
+                "kmp: the gradient of %s is sparse (an embedding lookup). The flat buffers add up its repeated "
+                "rows, and the replicas' rows, before %s squares it (as tf.keras 2 and PyTorch do); Keras 3 squares "
+                "each row first. So where ids repeat, training differs from stock Keras, whose result then also "
+                "depends on the number of replicas. kmp.prepare(model, flat_buffers=False) keeps Keras's update.",
                 sparse[0] if len(sparse) == 1 else f"{len(sparse)} variables ({', '.join(sparse[:3])})",
                 type(self.inner).__name__)
         # Each length from its variable: a traced gradient's static shape may be unknown (a tied
