@@ -186,7 +186,7 @@ class FlatBuffers:
         self._updates = {}
         self._calls, self._graphs = {}, {}  # copies made and traced, by direction
         self._held = {}  # name -> [(Keras variable component, the tensor stored, its address)] (written_since_store)
-        self._split_now = {}
+        self._split_now = {}  # during a store: id of a buffer gathered whole -> its parts, for every replica
         self._plans = {}  # buffer name -> _CopyPlan
         self.missing = ()  # model positions of the variables without a gradient (see join)
         self._sparse_noted = False  # join's note on sparse gradients, said once
@@ -500,17 +500,6 @@ class FlatBuffers:
         parts = tf.split(flat, pieces)
         return [_reshaped(parts[k], s) for k, s in zip(keep, self.shapes)]
 
-    def _joined(self, name, values):
-        """The reverse of _parts: per-variable values as one buffer, each padded to its span."""
-        pad = getattr(self.rule, "pads", {}).get(name, 0)
-        parts = []
-        for value, span in zip(values, self.spans):
-            n, span = value.shape.num_elements(), self._length(name, span)
-            parts.append(_reshaped(value, (n,)))
-            if span > n:
-                parts.append(tf.fill((span - n,), tf.constant(pad, value.dtype)))
-        return tf.concat(parts, axis=0)
-
     def _segments(self):
         """Each element's variable (its index in buffer order)."""
         return tf.repeat(tf.range(len(self.spans)), self.spans)
@@ -541,7 +530,7 @@ class FlatBuffers:
         """`copy` (a load or a store) of `names` on every local replica; what a store wrote."""
         local = self.strategy.experimental_local_results
         written = []
-        self._split_now = {}  # id of a whole buffer -> its parts, for every replica of this store (host memory)
+        self._split_now = {}
         for k, replica in enumerate(self._replica_ids()):
             buffers = {}
             for n in names:
@@ -572,11 +561,9 @@ class FlatBuffers:
         return self._ids
 
     def _load_component(self, buffers, mirrors, offset):
-        eager = tf.executing_eagerly()
         for name, buffer in buffers.items():
             # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
-            values = [_read(v) for v in mirrors[name]]
-            flat = self._copy_plan(name).joined(values) if eager else self._joined(name, values)
+            flat = self._copy_plan(name).joined([_read(v) for v in mirrors[name]])
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
@@ -607,8 +594,9 @@ class FlatBuffers:
 
 
 class _CopyPlan:
-    """_parts and _joined of one buffer made eagerly as bare ops, their shapes and paddings made once:
-    the copies between fit() calls run a few hundred ops per replica, and each op's Python counts."""
+    """One buffer split into its variables' values and joined back, as bare ops whose shapes and paddings
+    are made once: the copies between fit() calls run a few hundred ops per replica, and eagerly each op's
+    Python counts. The traced load (_copy) takes the same ops."""
 
     def __init__(self, shapes, spans, pad, dtype):
         pieces, self.wanted, self.flat, self.pads = [], [], [], []
