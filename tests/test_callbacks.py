@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmp.callbacks import monitor as kmp_callbacks
+from kmp.scaling import floor as kmp_floor
 from kmp.scaling import state as loss_scale
 from kmp.callbacks import LossScaleMonitor
 from kmp.scaling.state import WindowState, steps_clear_of_floor, stuck_in_window
@@ -208,13 +208,13 @@ def test_under_mirrored_strategy(two_replicas):
 
 def _count_host_reads(monkeypatch):
     calls = []
-    real = kmp_callbacks.to_host
+    real = kmp_floor.to_host
 
     def counting(tensors):
         calls.append(len(tensors))
         return real(tensors)
 
-    monkeypatch.setattr(kmp_callbacks, "to_host", counting)
+    monkeypatch.setattr(kmp_floor, "to_host", counting)
     return calls
 
 
@@ -232,6 +232,18 @@ def test_reads_once_per_batch_at_the_floor(monkeypatch):
     model.fit(*_data(inf_batches=(), batches=8), batch_size=BATCH, verbose=0, callbacks=[LossScaleMonitor(), recorder])
     assert reads == [1] + [6] * 8  # one stacked copy of the six scalars after each batch
     assert _column(recorder.batches, "loss_scale") == [1.0] * 8
+
+
+def test_the_monitor_and_the_optimizer_check_the_floor_once_between_them(monkeypatch):
+    model = _model(_kmp(initial_scale=1.0, dynamic_growth_steps=1000))
+    model.fit(*_data(inf_batches=(), batches=2), batch_size=BATCH, verbose=0)  # kmp's optimizer wraps the function
+    assert model.train_function.checks  # and checks the floor after each call, with one read each at the floor
+    reads = _count_host_reads(monkeypatch)
+    model.fit(*_data(inf_batches=(), batches=8), batch_size=BATCH, verbose=0, callbacks=[LossScaleMonitor()])
+    assert reads == [6] + [6] * 8  # the state when the first step begins, then one read per batch: not two
+    reads.clear()
+    model.fit(*_data(inf_batches=(), batches=3), batch_size=BATCH, verbose=0)  # the optimizer's check alone again
+    assert reads == [6] + [6] * 3
 
 
 def test_reads_every_few_batches_above_the_floor(monkeypatch):
@@ -270,12 +282,23 @@ def test_xla_overflow_at_the_floor_stops_fit(steps_per_execution):
     assert float(optimizer.dynamic_scale.numpy()) == 1.0
 
 
-def test_xla_without_the_monitor_skips_silently_forever():
-    # Why the monitor exists: the compiled step cannot raise.
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_xla_without_the_monitor_stops_fit_too(steps_per_execution):
+    # The compiled step cannot raise; the train function kmp's optimizer wraps checks the state after each call,
+    # from the second call on (the first traced the step before the wrapper existed, and is checked then).
     optimizer = _kmp(initial_scale=4.0, min_scale=1.0)
+    model = _model(optimizer, jit_compile=True, steps_per_execution=steps_per_execution)
+    weights = model.get_weights()
+    with pytest.raises(LossScaleError, match=r"already at its minimum \(1 = min_scale\)"):
+        model.fit(*_data(inf_batches=range(8), batches=8, batch_size=1), batch_size=1, shuffle=False, verbose=0)
+    for a, b in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(optimizer.overflows.numpy()) == (3 if steps_per_execution == 1 else 4)
+    assert float(optimizer.dynamic_scale.numpy()) == 1.0
+    # Without raise_at_min_scale the steps are skipped, as they were before: nothing is checked.
+    optimizer = _kmp(initial_scale=4.0, min_scale=1.0, raise_at_min_scale=False)
     _xla_fit(optimizer, _data(inf_batches=range(8), batches=8, batch_size=1), monitor=False)
     assert int(optimizer.overflows.numpy()) == 8
-    assert float(optimizer.dynamic_scale.numpy()) == 1.0
 
 
 def test_xla_two_steps_per_execution_clean_then_stuck_is_reported():

@@ -99,6 +99,53 @@ def test_a_step_stuck_in_the_first_call_on_one_device_raises_loss_scale_error(ca
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("batches", [1, 3])
+def test_a_float32_model_stuck_in_its_first_call_raises_loss_scale_error(jit_compile, batches):
+    """float32 and a kmp.LossScaleOptimizer made by hand: Keras's compile() asks the optimizer nothing, so
+    the first train function call traces the step before the optimizer could wrap that call. The call runs
+    without the in-graph assert (the stuck step is skipped), and kmp's wrapper reports it: before the next
+    call, or when fit() ends (Keras's finalize_variable_values), with one call in all."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1.0, log_overflows=False)
+    model.compile(optimizer=opt, loss=_InfLoss(), jit_compile=jit_compile)
+    weights = model.get_weights()
+    assert model.train_function is None and not opt.built
+    with pytest.raises(LossScaleError) as info:
+        model.fit(XY[0][:8 * batches], XY[1][:8 * batches], batch_size=8, verbose=0)
+    _assert_remedies_first(info.value)
+    assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 1  # one step ran, skipped
+    for a, b in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(LossScaleError):  # and each later call, as any stuck step
+        model.train_on_batch(*XY)
+
+
+def test_a_float32_model_stuck_in_its_first_train_on_batch_raises_at_the_next_call():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=1.0, log_overflows=False)
+    model.compile(optimizer=opt, loss=_InfLoss())
+    model.train_on_batch(*XY)  # Keras's train_on_batch asks the optimizer nothing after its call: skipped only
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 0
+    with pytest.raises(LossScaleError):
+        model.train_on_batch(*XY)
+    assert int(opt.skipped_steps.numpy()) == 1  # raised before the second call ran
+
+
+def test_no_false_alarm_when_the_first_call_is_clean_or_lifts_the_scale():
+    """The same path, not stuck: an overflow above the floor, and clean steps that grow the scale."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0, dynamic_growth_steps=1,
+                             log_overflows=False)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = np.ones((24, 4), "float32"), np.ones((24, 1), "float32")
+    x[:8] = np.inf  # the first step overflows: 2 -> 1, at the floor but not stuck
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 2
+    model.fit(x[8:], y[8:], batch_size=8, verbose=0)  # clean, from the floor: grows
+    assert float(opt.dynamic_scale.numpy()) == 16.0
+
+
 def test_other_errors_pass_through_unchanged():
     model = kmp.prepare(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
     model.compile(optimizer="sgd", loss="mse")

@@ -1,5 +1,5 @@
 """Training callbacks. `LossScaleMonitor`: the loss-scale state in the logs,
-and the floor check that XLA compiles away.
+and the floor check (kmp.scaling.floor) while it is installed.
 
     model.fit(data, callbacks=[kmp.callbacks.LossScaleMonitor(), keras.callbacks.TensorBoard("logs")])
 
@@ -30,35 +30,14 @@ scalars, which TensorFlow 2.21 no longer installs: `pip install
 Cost: after each execution of the training function the monitor takes device
 snapshots of the scalars (no host copy); Keras copies them to the host with
 the loss, in the conversion it already does after every batch (synchronously:
-on TensorFlow Keras dispatches no callback asynchronously). The monitor copies
-state to the host itself, in one stacked copy, only after executions that
-could hold a stuck step: those that start fewer than `steps_per_execution`
-overflows away from the floor, counted from the last state it read
-(`steps_clear_of_floor`). Far from the floor that is almost never; at the
-floor it is after every execution, and Keras then gets Python numbers and
-copies nothing more.
-
-The floor check (kmp's optimizer with a dynamic scale and
-`raise_at_min_scale=True`)
------------------------------------------------------------------------
-An XLA-compiled step cannot raise: the stuck step is skipped, the scale stays
-at the floor, and training would go on skipping. From the state before and
-after an execution of `k <= steps_per_execution` steps:
-
-    overflows = after.overflows - before.overflows
-    clean     = after.iterations - before.iterations  # skipped steps do not count
-    if overflows and before.scale <= min_scale and before.hysteresis_left <= 1:
-        if after.good_steps == clean:          # the execution began with an overflow
-            raise LossScaleError
-        if no clean step in it could grow the scale or refill hysteresis:
-            raise LossScaleError               # every overflow in it was at the floor
-
-With `steps_per_execution=1` this is exact. With more, it raises only when
-certain: a stuck step that follows a clean step able to grow the scale or
-refill the hysteresis in the same execution goes unreported (the state alone
-cannot tell it from an overflow after a growth). If the overflows persist, the
-next execution that begins with one is reported. Outside XLA the optimizer
-raises first and the check never fires.
+on TensorFlow Keras dispatches no callback asynchronously). The floor check
+(kmp.scaling.floor, kmp's optimizer with a dynamic scale and
+`raise_at_min_scale=True`) copies state to the host itself, in one stacked
+copy, only after executions that could hold a stuck step. Far from the floor
+that is almost never; at the floor it is after every execution, and Keras
+then gets Python numbers and copies nothing more. A model's train function
+that kmp's optimizer wraps checks the floor the same way; while the monitor
+is installed, the monitor's check is the one that runs.
 """
 
 from __future__ import annotations
@@ -71,10 +50,9 @@ import tensorflow as tf
 
 from kmp import values
 from kmp.engine import overflow_layer
-from kmp.errors import LossScaleError, Problem, check
+from kmp.errors import Problem, check
 from kmp.scaling import overflow
-from kmp.scaling import state as loss_scale
-from kmp.scaling.state import WindowState, steps_clear_of_floor, stuck_in_window
+from kmp.scaling.floor import FloorCheck
 
 __all__ = ["GradientAccumulationScheduler", "LossScaleMonitor"]
 
@@ -87,66 +65,15 @@ _SCALE_STATE = {
 }
 # Also logged: where the last overflow was (kmp's optimizer only).
 _LOGGED = _SCALE_STATE | {"overflow_variable": "overflow_variable"}
-# Everything the floor check reads (kmp's optimizer only).
-_CHECKED = _SCALE_STATE | {"good_steps": "good_steps", "iterations": "iterations"}
-
-
-def to_host(tensors: list) -> list[float]:
-    """Scalars to Python floats in one device-to-host copy."""
-    if not tensors:
-        return []
-    return tf.stack([tf.cast(t, tf.float64) for t in tensors]).numpy().tolist()
 
 
 class _Probe:
-    """Reads one LossScaleOptimizer's state after each execution of the step.
+    """Reads one LossScaleOptimizer's state after each execution of the step, and checks the floor
+    (kmp.scaling.floor) where the optimizer has one to check."""
 
-    `known` is the host state at the start of the next execution, or of an
-    earlier one when `unchecked_steps` steps have run since without a read;
-    then `before` holds a device snapshot of the next execution's start, taken
-    only when that execution could be stuck.
-    """
-
-    def __init__(self, optimizer: keras.optimizers.LossScaleOptimizer, steps_per_execution: int, layer_state=None):
-        self.optimizer = optimizer
+    def __init__(self, floor_check: FloorCheck, layer_state=None):
+        self.floor = floor_check
         self.layer_state = layer_state  # kmp.engine.overflow_layer.State of a prepared model, or None
-        config = getattr(optimizer, "loss_scale_config", None)  # kmp's optimizer only
-        self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
-        self.steps_per_execution = steps_per_execution
-        self.unchecked_steps = 0
-        self.before = None
-        self.known = self._initial_state() if self.config is not None else None
-
-    def _snapshot(self, names: dict[str, str]) -> dict:
-        """Device copies of the variables that exist (all of them once built)."""
-        found = {key: getattr(self.optimizer, attr, None) for key, attr in names.items()}
-        return {key: tf.convert_to_tensor(v) for key, v in found.items() if v is not None}
-
-    @staticmethod
-    def _to_host(*snapshots: dict) -> list[dict[str, float]]:
-        """Full snapshots (all of `_CHECKED`) as Python numbers, in one copy."""
-        host = to_host([snapshot[key] for snapshot in snapshots for key in _CHECKED])
-        n = len(_CHECKED)
-        return [dict(zip(_CHECKED, host[i:i + n])) for i in range(0, len(host), n)]
-
-    @staticmethod
-    def _window_state(v: dict[str, float]) -> WindowState:
-        return WindowState(
-            v["loss_scale"], int(v["hysteresis_left"]), int(v["good_steps"]), int(v["overflows"]), int(v["iterations"])
-        )
-
-    def _initial_state(self) -> WindowState:
-        if self.optimizer.built:
-            return self._window_state(self._to_host(self._snapshot(_CHECKED))[0])
-        # Built inside the first step (TensorFlow without a distribution strategy).
-        start = loss_scale.initial_state(self.config)
-        iterations = int(to_host([tf.convert_to_tensor(self.optimizer.iterations)])[0])
-        return WindowState(start.scale, start.hysteresis_left, 0, 0, iterations)
-
-    def _may_be_stuck(self) -> bool:
-        """Whether the next execution could hold a stuck step."""
-        margin = steps_clear_of_floor(self.config, self.known.scale, self.known.hysteresis_left)
-        return self.unchecked_steps + self.steps_per_execution > margin
 
     def add_state(self, logs):
         """`logs` with the state after the execution that produced them.
@@ -154,39 +81,18 @@ class _Probe:
         Logs that are not a dict (a custom `train_step`) are returned as they
         are; the floor check still runs.
         """
-        values = self._snapshot(_LOGGED)
+        values = self.floor.snapshot(_LOGGED)
         if "loss_scale" not in values:  # not built: no step ran
             return logs
         if self.layer_state is not None:
             values["overflow_layer"] = tf.convert_to_tensor(self.layer_state.layer)
-        if self.config is not None:
-            if self._may_be_stuck():
-                values = self._check(values)
-            else:
-                self.unchecked_steps += self.steps_per_execution
-            if self.unchecked_steps and self._may_be_stuck():
-                self.before = self._snapshot(_CHECKED)
+        values = self.floor.after_execution(values)
         if not isinstance(logs, dict):
             return logs
         logs = dict(logs)
         for key, value in values.items():
             logs.setdefault(key, value)  # a user metric of the same name wins
         return logs
-
-    def _check(self, logged: dict) -> dict[str, float]:
-        """Reads the state after this execution, raises if it was stuck, and
-        returns the logged values as Python numbers (Keras then copies nothing)."""
-        after = logged | self._snapshot({k: v for k, v in _CHECKED.items() if k not in logged})
-        if self.unchecked_steps:
-            after_values, before_values = self._to_host(after, self.before)
-            before = self._window_state(before_values)
-        else:
-            (after_values,), before = self._to_host(after), self.known
-        self.known = self._window_state(after_values)
-        if stuck_in_window(self.config, before, self.known):
-            raise LossScaleError(loss_scale.floor_message(before.scale, self.config))
-        self.unchecked_steps, self.before = 0, None
-        return {key: after_values.get(key, logged.get(key)) for key in logged}
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -206,8 +112,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     last overflow, its index in `model.layers` for a top-level layer (-1:
     none named); under XLA the monitor's line names it. With kmp's
     optimizer, a dynamic scale and `raise_at_min_scale=True`, raises
-    `kmp.LossScaleError` when a step overflowed at the floor, which an
-    XLA-compiled step cannot do itself.
+    `kmp.LossScaleError` when a step overflowed at the floor, as the train
+    function kmp's optimizer wraps does without it (kmp.scaling.floor).
     With any other optimizer it warns once and does nothing.
 
     See the module docstring for how and when values are read.
@@ -233,13 +139,21 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if original is None:  # a custom loop that calls the callbacks itself
             return
         steps_per_execution = int(self.model.steps_per_execution or 1)
+        # kmp's optimizer wraps the model's train function with a floor check of its own: the monitor calls
+        # what that wraps and keeps its check (which may hold a call it has not checked yet), so it runs once.
+        kept = getattr(original, "floor_check", None)
+        inner = original.__wrapped__ if kept is not None else original
         probe = []  # made at the first step: a callback after this one may still restore the state
 
         def train_function_with_loss_scale(iterator):
             if not probe:
-                probe.append(_Probe(optimizer, steps_per_execution, overflow_layer.state_of(self.model)))
+                floor = kept() if kept is not None else None
+                floor = floor if floor is not None else FloorCheck(optimizer, steps_per_execution)
+                probe.append(_Probe(floor, overflow_layer.state_of(self.model)))
+            probe[0].floor.settle()
+            probe[0].floor.start()
             try:
-                return probe[0].add_state(original(iterator))
+                return probe[0].add_state(inner(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise  # the end of the data, not a failure
             except BaseException as e:

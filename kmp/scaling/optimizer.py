@@ -156,6 +156,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.gradient_clipping = values.plain(gradient_clipping)
         self.zero_stage = values.plain(zero_stage)
         self._zero_noted = False
+        self._floor_asserts = True  # False while tracing a call that began before kmp wrapped it (apply)
         # kmp's own accumulation. Keras's `gradient_accumulation_steps`
         # attribute stays None: Keras would otherwise accumulate by itself.
         steps = values.plain(gradient_accumulation_steps)
@@ -197,15 +198,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._raise_floor_errors_in_caller()
         return True
 
-    def _raise_floor_errors_in_caller(self):
+    def _raise_floor_errors_in_caller(self) -> bool:
         """In the model that compiles (with mixed_float16), builds or traces this optimizer (fit,
         train_on_batch, load_weights), a step stuck at the floor raises kmp.LossScaleError, not
-        TensorFlow's InvalidArgumentError of the in-graph assert (kmp.scaling.overflow.raise_floor_errors_in)."""
+        TensorFlow's InvalidArgumentError of the in-graph assert (kmp.scaling.overflow.raise_floor_errors_in).
+
+        Returns whether a step traced now may assert: False in a model's train function call that began
+        before kmp wrapped it; its wrapper then checks the state after the call."""
         config = self.loss_scale_config
         if config.dynamic and config.raise_at_min_scale:
             model = calling_model(self)
             if model is not None:
-                overflow.raise_floor_errors_in(model)
+                return overflow.raise_floor_errors_in(model)
+        return True
+
+    def finalize_variable_values(self, var_list):
+        super().finalize_variable_values(var_list)
+        # Keras's fit() ends here: a step stuck in a call traced before kmp wrapped the train function (its
+        # first, where it builds this optimizer) is reported now if no later call did.
+        model = calling_model(self)
+        if model is not None:
+            overflow.settle_floor(model)
 
     @property
     def overflows(self):
@@ -221,14 +234,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         micro-batches of the window and every replica; the loss whose
         gradients are passed is then a sum over the micro-batch, not a mean.
         """
+        # Traced: once per train function (eagerly the step raises itself), before the build, which
+        # would wrap the train function for the next calls only.
+        asserts = tf.executing_eagerly() or self._raise_floor_errors_in_caller()
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
-        if not tf.executing_eagerly():  # traced: once per train function (eagerly the step raises itself)
-            self._raise_floor_errors_in_caller()
         wall_clock.stamp("gradients", grads)
         if self.zero_stage and tf.distribute.get_strategy().num_replicas_in_sync > 1 and not self._zero_noted:
             self._zero_noted = True  # once per optimizer
@@ -244,7 +258,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
         grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
         weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
-        self._step(grads, _PerVariable(self, variables, trainable_variables), weight)
+        self._floor_asserts = asserts
+        try:
+            self._step(grads, _PerVariable(self, variables, trainable_variables), weight)
+        finally:
+            self._floor_asserts = True
 
     def apply_flat(self, grad, buffers) -> None:
         """One (micro-)step on flat buffers (kmp.engine.buffers): `grad` is this replica's
@@ -320,7 +338,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = self.loss_scale_config
         old = loss_scale.LossScaleState(self.dynamic_scale.value, self.hysteresis_left.value, self.good_steps.value)
         new, stuck = loss_scale.adjust(config, old, finite, where=typed_where)
-        overflow.raise_if_stuck(config, stuck, old.scale)
+        overflow.raise_if_stuck(config, stuck, old.scale, in_graph=getattr(self, "_floor_asserts", True))
         printed = None
         if self.log_overflows:
             printed = overflow.log_overflow(config, finite, old, new, flags, variables, end=overflow.line_end(self))

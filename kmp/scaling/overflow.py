@@ -7,10 +7,13 @@
                + (a model prepared by kmp.prepare) where the forward pass
                  stopped being finite: kmp.engine.overflow_layer prints that ending
         stuck at the floor with raise_at_min_scale: kmp.LossScaleError (eager),
-               or an assert carrying the same message (graph)
+               or an assert carrying the same message (graph), which the
+               model's train function raises as kmp.LossScaleError
 
 Nothing is printed on clean steps. Inside XLA neither prints nor asserts
-compile; there `kmp.callbacks.LossScaleMonitor` raises after the step.
+compile; there the model's train function raises after the call, from the
+state (kmp.scaling.floor), and `kmp.callbacks.LossScaleMonitor` prints the
+overflow line.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tensorflow as tf
 from kmp import seams
 from kmp.config.settings import LossScaleConfig
 from kmp.errors import LossScaleError
+from kmp.scaling.floor import FloorCheck
 from kmp.scaling import state as loss_scale
 
 
@@ -31,14 +35,17 @@ def in_xla() -> bool:
     return seams.get("in_xla_context")(tf.compat.v1.get_default_graph())
 
 
-def raise_if_stuck(config: LossScaleConfig, stuck, scale) -> None:
-    """Raise kmp.LossScaleError when the step overflowed at the floor (see loss_scale.adjust)."""
+def raise_if_stuck(config: LossScaleConfig, stuck, scale, in_graph: bool = True) -> None:
+    """Raise kmp.LossScaleError when the step overflowed at the floor (see loss_scale.adjust).
+
+    Traced, an assert (outside XLA) unless `in_graph` is False: the model's train function then checks
+    the state after the call (kmp.scaling.floor)."""
     if not config.raise_at_min_scale or not config.dynamic:
         return
     if tf.executing_eagerly():
         if bool(stuck):
             raise LossScaleError(loss_scale.floor_message(float(scale), config))
-    elif not in_xla():
+    elif in_graph and not in_xla():
         tf.debugging.Assert(tf.logical_not(stuck), [loss_scale.floor_message(config.min_scale, config)])
 
 
@@ -60,29 +67,56 @@ def loss_scale_error(error: BaseException) -> LossScaleError | None:
     return LossScaleError(found.group(0)) if found else None
 
 
-def raising_loss_scale_errors(function):
-    """`function` (a model's train function), with a step stuck at the floor raised as kmp.LossScaleError."""
+def raising_loss_scale_errors(function, model):
+    """`function` (`model`'s train function), with a step stuck at the floor raised as kmp.LossScaleError: from
+    TensorFlow's error of the in-graph assert, and, where the step has none (XLA; a call traced before this
+    wrapper existed), from the state after each call (kmp.scaling.floor). `model` None (a test function):
+    the assert's error only."""
+    checks = []  # made at the first call, or given by raise_floor_errors_in for the call in progress
+
+    def floor_check() -> FloorCheck | None:
+        if not checks and model is not None:
+            checks.append(FloorCheck(model.optimizer, int(model.steps_per_execution or 1)))
+        return checks[0] if checks else None
 
     def call(iterator):
+        check = floor_check()
+        if check is not None:
+            check.settle()
+            check.start()
         try:
-            return function(iterator)
+            result = function(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if check is not None:
+                check.after_execution()  # the end of the data: the steps before it ran
+            raise
         except tf.errors.InvalidArgumentError as e:
             error = loss_scale_error(e)
             if error is None:
                 raise
             raise error from None
+        if check is not None:
+            check.after_execution()
+        return result
 
     call.__wrapped__ = function
     call.kmp_raises_floor = True
+    call.floor_check = floor_check
+    call.checks = checks
     return call
 
 
-def raise_floor_errors_in(model) -> None:
+def raise_floor_errors_in(model) -> bool:
     """Makes `model`'s train function (fit, train_on_batch) raise kmp.LossScaleError at the floor.
 
     On this instance only: its current train function is wrapped, and its
     `make_train_function` is replaced by one that wraps what Keras's (or
     kmp.prepare's) makes, so a function made after compile() is wrapped too.
+
+    Returns whether the train function call being traced now, if any, raises kmp's error. False when
+    that call began before this wrapper (a first call that builds the optimizer): it must not assert
+    (TensorFlow's error would reach the user), so its step is skipped, and the wrapper checks its state
+    before the next call, fit() at its end (`settle_floor`).
     """
     if "make_train_function" not in model.__dict__:
         make = model.make_train_function
@@ -91,13 +125,30 @@ def raise_floor_errors_in(model) -> None:
             make(force)  # Keras's sets model.train_function (and returns it only when it was there)
             function = model.train_function
             if not getattr(function, "kmp_raises_floor", False):
-                function = model.train_function = raising_loss_scale_errors(function)
+                function = model.train_function = raising_loss_scale_errors(function, model)
+            for check in getattr(function, "checks", ()):
+                check.refresh()  # a new fit() or train_on_batch(): the state may have been restored since
             return function
 
         model.__dict__["make_train_function"] = make_train_function
     function = model.train_function
-    if function is not None and not getattr(function, "kmp_raises_floor", False):
-        model.train_function = raising_loss_scale_errors(function)
+    if function is None:
+        return True
+    if getattr(function, "kmp_raises_floor", False):
+        # Made while tracing the call in progress (TensorFlow may trace a step twice): not that call's wrapper.
+        return not any(check.unseen for check in getattr(function, "checks", ()))
+    wrapper = model.train_function = raising_loss_scale_errors(function, model)
+    if tf.executing_eagerly():
+        return True
+    with tf.init_scope():  # the state the call in progress starts from
+        wrapper.checks.append(FloorCheck(model.optimizer, int(model.steps_per_execution or 1), unseen=True))
+    return False
+
+
+def settle_floor(model) -> None:
+    """Raises kmp.LossScaleError if a train function call that began before kmp's wrapper was stuck."""
+    for check in getattr(model.train_function, "checks", ()):
+        check.settle()
 
 
 def _text(piece):

@@ -130,8 +130,8 @@ def floor_message(scale: float, config: LossScaleConfig) -> str:
 
 
 # --- The floor, seen from outside the step -------------------------------
-# An XLA-compiled step cannot raise; kmp.callbacks.LossScaleMonitor compares
-# the state before and after an execution of several steps instead.
+# Where the step cannot raise (XLA), kmp.scaling.floor compares the state
+# before and after an execution of several steps instead.
 
 
 class WindowState(NamedTuple):
