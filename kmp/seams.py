@@ -143,11 +143,13 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     "keras.optimizers.Lion": ("_momentums",),
     "keras.optimizers.Lamb": ("_momentums", "_velocities"),
     "keras.Variable (TensorFlow backend)": (
-        "_value",                  # kmp.engine.zero: the TensorFlow variable behind it, moved to host memory and back
+        "_value",                  # kmp.engine.zero: the TensorFlow variable behind it, moved to host memory and back;
+                                   # kmp.LossScaleOptimizer.build: an optimizer's step counter made outside the scope
     ),
     "keras TFOptimizer": (
         "_all_reduce_sum_gradients",  # shadowed on the inner optimizer for one call, then restored
-        "_distribution_strategy",  # kmp.Adam8bit.build: the strategy its variables are made under
+        "_distribution_strategy",  # kmp.Adam8bit.build: the strategy its variables are made under; set by
+                                   # kmp.LossScaleOptimizer.build on an optimizer made outside the scope
     ),
     "keras TFEpochIterator": (
         "_distributed_dataset",    # kmp.prepare: the data's shapes, to build a model before its first step

@@ -167,6 +167,32 @@ def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeyp
     np.testing.assert_allclose(losses, per_variable, rtol=1e-5)
 
 
+def test_a_first_train_on_batch_that_falls_back_trains_its_batch(monkeypatch, caplog):
+    """train_on_batch hands the step a Python iterator of one batch: the try that failed took it, and the next
+    one takes it again (Keras's loop found nothing left and failed on an unbound local)."""
+    x, y = _data()
+
+    def first_call(flat_buffers):
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        model = _model(False)
+        model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-2, weight_decay=0.01)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        kmp.prepare(model, flat_buffers=flat_buffers)
+        return model, model.train_on_batch(x[:8], y[:8])
+
+    per_variable, expected = first_call(False)
+    monkeypatch.setattr(kmp.engine.buffers.FlatBuffers, "join", lambda *_, **__: (_ for _ in ()).throw(
+        TypeError("a gradient the buffers cannot hold")))
+    with caplog.at_level(logging.WARNING, logger="kmp"):
+        model, loss = first_call(True)
+    assert "flat buffers off" in caplog.text and "not trained" not in caplog.text, caplog.text
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    for a, b in zip(model.get_weights(), per_variable.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_an_error_of_the_users_own_is_raised_as_stock_keras_raises_it():
     keras.config.set_dtype_policy("float32")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

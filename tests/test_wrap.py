@@ -125,6 +125,58 @@ def test_clipping_asked_outside_the_scope_clips_the_all_reduced_gradient(two_rep
         np.testing.assert_allclose(a, b, atol=1e-7)
 
 
+@pytest.mark.parametrize("prepared", [None, False, True])
+def test_an_optimizer_made_outside_the_scope_trains_as_one_made_inside(two_replicas, prepared, caplog, tmp_path):
+    """Keras makes an optimizer's step counter and learning rate where the optimizer is made. Made outside the
+    scope, on one device: each replica counted every step (a schedule ran twice as fast), Adam's build raised
+    ("Mixing different tf.distribute.Strategy objects"), kmp.prepare's flat buffers failed their first step (its
+    batch lost) and train_on_batch's retry crashed. kmp's build makes them again in the scope, and says so."""
+    keras.config.set_dtype_policy("float32")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32") * 10
+
+    def train(outside):
+        def make():
+            schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
+            return kmp.wrap(keras.optimizers.Adam(schedule), gradient_clipping=1.0)
+
+        opt = make() if outside else None
+        with two_replicas.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh", name="a"),
+                                      keras.layers.Dense(1, name="b")], name="net")
+            model.compile(optimizer=opt if outside else make(), loss="mse")
+        if prepared is not None:
+            kmp.prepare(model, flat_buffers=prepared)
+        model.train_on_batch(x[:16], y[:16])  # the first call: nothing to retry it with, were it to fail
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    with caplog.at_level("WARNING"):
+        outside = train(True)
+    assert caplog.text.count("made outside the strategy's scope") == 1, caplog.text
+    assert "falling back" not in caplog.text
+    caplog.clear()
+    inside = train(False)
+    assert "made outside the strategy's scope" not in caplog.text
+    assert int(outside.optimizer.iterations.numpy()) == 5 == int(inside.optimizer.iterations.numpy())
+    assert [v.name for v in outside.optimizer.variables] == [v.name for v in inside.optimizer.variables]
+    assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in outside.optimizer.variables)
+    for a, b in zip(outside.get_weights(), inside.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # Its state saves and restores as any optimizer's: TensorFlow's checkpoint, and Keras's file.
+    saved = tf.train.Checkpoint(optimizer=outside.optimizer).save(str(tmp_path / "ckpt"))
+    outside.optimizer.iterations.assign(0)
+    tf.train.Checkpoint(optimizer=outside.optimizer).restore(saved)
+    assert int(outside.optimizer.iterations.numpy()) == 5
+    outside.save(tmp_path / "model.keras")
+    with two_replicas.scope():
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    for a, b in zip(outside.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16", "float32"])
 def test_wrap_leaves_the_users_optimizer_as_it_was(two_replicas, policy):
     """After wrapping and training, the optimizer has no kmp attribute, and used

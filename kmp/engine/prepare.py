@@ -393,6 +393,8 @@ def _falling_back(model, step_function):
 
     def call(iterator):
         nonlocal function, ran
+        if not ran and not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            iterator = _Replayed(iterator)  # train_on_batch's batch: the next try takes it again
         while True:
             try:
                 result = function(iterator)
@@ -402,14 +404,35 @@ def _falling_back(model, step_function):
                 path = _path_to_drop(model, error)
                 if path is None:
                     raise
-                _drop(model, path, error)
+                _drop(model, path, error, lost=not isinstance(iterator, _Replayed))
                 function = call.__wrapped__ = _build_function(model, step_function)
+                if isinstance(iterator, _Replayed):
+                    iterator.again()
                 continue
             ran = True
             return result
 
     call.__wrapped__ = function
     return call
+
+
+class _Replayed:
+    """A Python iterator of batches (train_on_batch's, Keras's loop over a list), whose batches a failed try took
+    are given to the next try first. A TensorFlow iterator's batch is gone with its failed step (said in _drop)."""
+
+    def __init__(self, iterator):
+        self._iterator, self._taken, self._again = iter(iterator), [], []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self._again.pop(0) if self._again else next(self._iterator)
+        self._taken.append(batch)
+        return batch
+
+    def again(self) -> None:
+        self._again, self._taken = self._taken + self._again, []
 
 
 def _path_to_drop(model, error) -> str | None:
@@ -439,7 +462,7 @@ def _took(model, path) -> bool:
         or engine.engine_of(model) is not None or bool(model.jit_compile))
 
 
-def _drop(model, path, error) -> None:
+def _drop(model, path, error, lost: bool = True) -> None:
     # A traced function's error ends with the original message; its first line is "in user code:".
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     message = lines[-1] if lines else ""
@@ -450,7 +473,8 @@ def _drop(model, path, error) -> None:
     why = f"{type(error).__name__}{where}: {message[:300]}"
     replica_step.path_of(model)["dropped"][path] = f"its first step failed on them ({why})"
     logger.warning("kmp: %s off for %s, falling back (%s)%s.", path, model.name, why,
-                   "; the batch of the failed step was not trained" if isinstance(error, tf.errors.OpError) else "")
+                   "; the batch of the failed step was not trained" if lost and isinstance(error, tf.errors.OpError)
+                   else "")
 
 
 def _layer_in(error) -> str | None:

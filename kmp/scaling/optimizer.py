@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import sys
 import warnings
 
@@ -54,6 +55,8 @@ from kmp.scaling import overflow
 from kmp.scaling import state as loss_scale
 from kmp.scaling.accumulate import Accumulation
 from kmp.scaling.gradients import clipped_check, finite_flags, typed_where, unscale
+
+logger = logging.getLogger(__name__)
 
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 # The loss-scale keywords' defaults: LossScaleConfig's, written once there.
@@ -168,6 +171,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def build(self, var_list):
         self._raise_floor_errors_in_caller()
+        strategy = tf.distribute.get_strategy()
+        moved = [o.name for o in (self, self.inner_optimizer) if _into_the_scope(o, strategy)]
+        if moved:
+            logger.warning("kmp: %s made outside the strategy's scope: their step counters and learning rates are "
+                           "made again in it, with their values (Keras would count each step once per replica, and "
+                           "an XLA step on another device could not read them). Make optimizers inside "
+                           "`with strategy.scope():`.", " and ".join(moved))
         # As Keras's build: the state variables are tracked once, by add_variable.
         with seams.get("DotNotTrackScope")():
             super().build(var_list)
@@ -399,6 +409,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config["zero_stage"] = self.zero_stage
         config["communication"] = dataclasses.asdict(self.communication)
         return config
+
+
+def _into_the_scope(optimizer, strategy) -> bool:
+    """Keras made `optimizer`'s step counter and learning rate where it was made, and keeps that strategy for its
+    updates. Made outside `strategy`'s scope (one device), each replica counts every step (a learning-rate
+    schedule runs as many times faster), and a replica's XLA step cannot read them from another device: the
+    TensorFlow variables behind them are made again here, mirrored, with their values (the Keras variables stay
+    the same objects, so nothing that holds or tracks them changes). Whether any was."""
+    if getattr(optimizer, "_distribution_strategy", strategy) is strategy or not tf.distribute.has_strategy():
+        return False
+    moved = False
+    for variable in (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None)):
+        if not isinstance(variable, keras.Variable) or isinstance(variable.value, tf.distribute.DistributedValues):
+            continue
+        value = variable.value
+        with tf.init_scope():
+            variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
+                                          aggregation=_AGGREGATIONS[variable.aggregation])
+        moved = True
+    if moved:  # not another strategy's variables: made under no strategy at all
+        optimizer._distribution_strategy = strategy
+    return moved
+
+
+_AGGREGATIONS = {"none": tf.VariableAggregation.NONE, "sum": tf.VariableAggregation.SUM,
+                 "mean": tf.VariableAggregation.MEAN, "only_first_replica": tf.VariableAggregation.ONLY_FIRST_REPLICA}
 
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
