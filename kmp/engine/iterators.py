@@ -132,6 +132,11 @@ def defer_next_epochs(epoch_iterator, host=None) -> None:
         epoch_iterator._get_iterator = lambda: _Deferred(dataset, host)
 
 
+def of_a_dataset(iterator) -> bool:
+    """Whether `iterator` reads a tf.data or distributed dataset (made yet or not): not a Python one's batches."""
+    return isinstance(iterator, (_Deferred, *_ITERATORS))
+
+
 def releasing(function, on_host: bool = False):
     """`function` (a train or test function), handing each input iterator it is called with to the thread;
     with `on_host`, an epoch's iterator is made on the undistributed dataset where there is one."""

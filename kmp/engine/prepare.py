@@ -393,7 +393,7 @@ def _falling_back(model, step_function):
 
     def call(iterator):
         nonlocal function, ran
-        if not ran and not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+        if not ran and not iterators.of_a_dataset(iterator):
             iterator = _Replayed(iterator)  # train_on_batch's batch: the next try takes it again
         while True:
             try:
