@@ -40,11 +40,12 @@ def _assert_remedies_first(error):
 
 
 # Plain fit() (no monitor, no kmp.prepare): test_the_floor_raises_loss_scale_error_in_plain_fit_and_train_on_batch.
-@pytest.mark.parametrize("how", ["monitor", "prepare", "monitor+xla"])
+# With XLA the step cannot assert: the train function kmp's optimizer wraps reads the floor from the state.
+@pytest.mark.parametrize("how", ["monitor", "prepare", "monitor+xla", "prepare+xla", "xla"])
 def test_the_floor_raises_loss_scale_error_in_fit(how):
     model = _stuck_model(jit_compile=how.endswith("xla"))
     callbacks = [LossScaleMonitor()] if how.startswith("monitor") else []
-    if how == "prepare":
+    if how.startswith("prepare"):
         kmp.prepare(model)
     with pytest.raises(LossScaleError) as info:
         model.fit(*XY, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)

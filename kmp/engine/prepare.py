@@ -345,7 +345,8 @@ def _build_function(self, step_function, train: bool = True):
     if train:
         replica_step.path_of(self).update(taken=_path_taken(plan), off={})
     # The main thread never destroys an input iterator (that waits on tf.data's autotune thread).
-    return overflow.raising_loss_scale_errors(iterators.releasing(function, on_host), self if train else None)
+    # The floor's check after each call is the one kmp's optimizer puts around the model's train function.
+    return overflow.raising_loss_scale_errors(iterators.releasing(function, on_host))
 
 
 def _xla_asked(model) -> bool:

@@ -61,13 +61,13 @@ class FloorCheck:
     `known` before this check could follow it (`settle` checks it).
     """
 
-    def __init__(self, optimizer, steps_per_execution: int, known: WindowState | None = None, unseen: bool = False):
+    def __init__(self, optimizer, steps_per_execution: int, unseen: bool = False):
         self.optimizer = optimizer
         config = getattr(optimizer, "loss_scale_config", None)  # kmp's optimizer only
         self.config = config if config is not None and config.dynamic and config.raise_at_min_scale else None
         self.steps_per_execution = steps_per_execution
         self.unchecked_steps, self.before = 0, None
-        self.known = known if known is not None or self.config is None else self.read_state()
+        self.known = None if self.config is None else self.read_state()  # the state the next execution starts from
         self.unseen = unseen and self.config is not None
 
     def snapshot(self, names: dict[str, str]) -> dict:

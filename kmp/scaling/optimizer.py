@@ -424,7 +424,7 @@ def _into_the_scope(optimizer, strategy) -> bool:
         if not isinstance(variable, keras.Variable) or isinstance(variable.value, tf.distribute.DistributedValues):
             continue
         value = variable.value
-        with tf.init_scope():
+        with tf.init_scope(), strategy.scope():
             variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
                                           aggregation=_AGGREGATIONS[variable.aggregation])
         moved = True

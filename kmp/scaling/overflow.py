@@ -67,11 +67,11 @@ def loss_scale_error(error: BaseException) -> LossScaleError | None:
     return LossScaleError(found.group(0)) if found else None
 
 
-def raising_loss_scale_errors(function, model):
+def raising_loss_scale_errors(function, model=None):
     """`function` (`model`'s train function), with a step stuck at the floor raised as kmp.LossScaleError: from
     TensorFlow's error of the in-graph assert, and, where the step has none (XLA; a call traced before this
-    wrapper existed), from the state after each call (kmp.scaling.floor). `model` None (a test function):
-    the assert's error only."""
+    wrapper existed), from the state after each call (kmp.scaling.floor). Without `model` (kmp.prepare's
+    functions, inside the one raise_floor_errors_in puts around them): the assert's error only."""
     checks = []  # made at the first call, or given by raise_floor_errors_in for the call in progress
 
     def floor_check() -> FloorCheck | None:
