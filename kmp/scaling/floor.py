@@ -111,9 +111,12 @@ class FloorCheck:
             self.after_execution()
 
     def refresh(self) -> None:
-        """Reads the state anew before the next execution (a new fit(): something may have restored it)."""
+        """Reads the state anew before the next execution (a new fit(): something may have restored it), where
+        the state last read was within reach of the floor: a stale state there could raise for nothing. Far
+        from it a stale state only delays a read (an execution's start is then a device snapshot)."""
         self.settle()
-        self.known, self.unchecked_steps, self.before = None, 0, None
+        if self.known is not None and self._may_be_stuck():
+            self.known, self.unchecked_steps, self.before = None, 0, None
 
     def start(self) -> None:
         """Before an execution: reads the state if it was refreshed."""
