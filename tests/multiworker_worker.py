@@ -557,6 +557,34 @@ def forward_overflow(strategy) -> dict:
             "named": [model.layers[i].name if i >= 0 else None for i in layers]}
 
 
+def stuck_at_the_floor(strategy) -> dict:
+    """A scale that starts at the floor and one worker's share non-finite in the first batch: plain fit()
+    (prepared, no monitor) stops with kmp.LossScaleError on every worker at that step, and the job goes on."""
+    import keras
+    import numpy as np
+
+    import kmp
+    import kmp.distribute
+
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = make_data()
+    x = x.copy()
+    x[SPIKE_ROW] = np.inf  # worker 1's share of the first global batch
+    with strategy.scope():
+        model = build_model(units=4)
+        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), initial_scale=1.0), loss="mse")
+    kmp.distribute.prepare(model)
+    weights = [w.copy() for w in model.get_weights()]
+    try:
+        model.fit(make_dataset(x, y), epochs=1, verbose=0)
+        error = None
+    except kmp.LossScaleError as e:
+        error = str(e)[:80]
+    return {"error": error, "skipped": int(model.optimizer.skipped_steps.numpy()),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "unchanged": all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))}
+
+
 def wall_clock_breakdown(strategy) -> dict:
     """kmp.engine.wall_clock across workers: the lines (the chief's only) and the logs' keys (every worker's)."""
     import contextlib
@@ -614,6 +642,8 @@ def main(argv: list[str]) -> int:
     result["forward_overflow"] = forward_overflow(strategy)
     phase("wall_clock_breakdown")
     result["wall_clock_breakdown"] = wall_clock_breakdown(strategy)
+    phase("stuck_at_the_floor")
+    result["stuck_at_the_floor"] = stuck_at_the_floor(strategy)
     phase("zero_stage1")
     result["zero_stage1"] = zero_stage1(strategy, os.path.join(os.path.dirname(argv[0]), "zero1"), argv[2])
     # Last: op determinism (for the byte comparison) stays on once set.

@@ -310,6 +310,15 @@ def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_sha
         assert found["named"] == ["hot"] and found["logged"] == "hot", (w["task"], found)
 
 
+def test_a_step_stuck_at_the_floor_stops_fit_on_every_worker_and_the_job_goes_on(workers):
+    # Worker 1's share of the first batch is not finite and the scale starts at the floor: both workers raise
+    # kmp.LossScaleError at that step, the weights unchanged; the phases after it (ZeRO, resume) still run.
+    for result in workers:
+        floor = result["stuck_at_the_floor"]
+        assert floor["error"] and floor["error"].startswith("kmp: gradients overflowed"), floor
+        assert floor["skipped"] == 1 and floor["iterations"] == 0 and floor["unchanged"], floor
+
+
 def test_wall_clock_breakdown_prints_on_the_chief_and_logs_on_every_worker(workers):
     """kmp.engine.wall_clock's stamps travel through the logs' reduction across workers (float64, replica axis)."""
     chief, other = (w["wall_clock_breakdown"] for w in workers)
