@@ -113,14 +113,23 @@ def to_host(variables, device: str) -> None:
                 initial_value=value.read_value(), trainable=False, name=value.name.split(":")[0])
 
 
-def to_replicas(variables, strategy) -> None:
-    """The reverse of to_host: each variable mirrored over `strategy`'s replicas again, same value."""
+def to_replicas(variables, strategy) -> bool:
+    """The reverse of to_host: each variable mirrored over `strategy`'s replicas again, same value and
+    aggregation (kmp.LossScaleOptimizer uses it too, for a step counter made outside the scope). Whether any was."""
+    moved = False
     for variable in variables:
         value = variable.value
         if isinstance(value, tf.distribute.DistributedValues):
             continue
         with tf.init_scope(), strategy.scope():
-            variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0])
+            variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
+                                          aggregation=_AGGREGATIONS[variable.aggregation])
+        moved = True
+    return moved
+
+
+_AGGREGATIONS = {"none": tf.VariableAggregation.NONE, "sum": tf.VariableAggregation.SUM,
+                 "mean": tf.VariableAggregation.MEAN, "only_first_replica": tf.VariableAggregation.ONLY_FIRST_REPLICA}
 
 
 def on_host(variable) -> bool:

@@ -48,7 +48,7 @@ from keras import ops
 from kmp import seams, values
 from kmp.config.settings import LossScaleConfig, attempt, communication_of
 from kmp.distribute.communication import reduce_mean
-from kmp.engine import replica_state, wall_clock
+from kmp.engine import replica_state, wall_clock, zero
 from kmp.engine.fused import fused_apply, fused_step
 from kmp.errors import Problem, check, did_you_mean
 from kmp.scaling import overflow
@@ -348,7 +348,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = self.loss_scale_config
         old = loss_scale.LossScaleState(self.dynamic_scale.value, self.hysteresis_left.value, self.good_steps.value)
         new, stuck = loss_scale.adjust(config, old, finite, where=typed_where)
-        overflow.raise_if_stuck(config, stuck, old.scale, in_graph=getattr(self, "_floor_asserts", True))
+        overflow.raise_if_stuck(config, stuck, old.scale, in_graph=self._floor_asserts)
         printed = None
         if self.log_overflows:
             printed = overflow.log_overflow(config, finite, old, new, flags, variables, end=overflow.line_end(self))
@@ -415,26 +415,15 @@ def _into_the_scope(optimizer, strategy) -> bool:
     """Keras made `optimizer`'s step counter and learning rate where it was made, and keeps that strategy for its
     updates. Made outside `strategy`'s scope (one device), each replica counts every step (a learning-rate
     schedule runs as many times faster), and a replica's XLA step cannot read them from another device: the
-    TensorFlow variables behind them are made again here, mirrored, with their values (the Keras variables stay
-    the same objects, so nothing that holds or tracks them changes). Whether any was."""
+    TensorFlow variables behind them are mirrored in the scope (the Keras variables stay the same objects, so
+    nothing that holds or tracks them changes). Whether any was."""
     if getattr(optimizer, "_distribution_strategy", strategy) is strategy or not tf.distribute.has_strategy():
         return False
-    moved = False
-    for variable in (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None)):
-        if not isinstance(variable, keras.Variable) or isinstance(variable.value, tf.distribute.DistributedValues):
-            continue
-        value = variable.value
-        with tf.init_scope(), strategy.scope():
-            variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
-                                          aggregation=_AGGREGATIONS[variable.aggregation])
-        moved = True
+    variables = [getattr(optimizer, name, None) for name in ("_iterations", "_learning_rate")]
+    moved = zero.to_replicas([v for v in variables if isinstance(v, keras.Variable)], strategy)
     if moved:  # not another strategy's variables: made under no strategy at all
         optimizer._distribution_strategy = strategy
     return moved
-
-
-_AGGREGATIONS = {"none": tf.VariableAggregation.NONE, "sum": tf.VariableAggregation.SUM,
-                 "mean": tf.VariableAggregation.MEAN, "only_first_replica": tf.VariableAggregation.ONLY_FIRST_REPLICA}
 
 
 def loss_scale_initial(config: LossScaleConfig) -> float:
