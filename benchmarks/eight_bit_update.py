@@ -4,12 +4,12 @@ P1's 2.6M parameters as one flat buffer each (weights, gradients, moments),
 each row one `tf.function(jit_compile=True)`:
 
 - 32-bit Adam (kmp.engine.fused's rule on float32 moments);
-- 8-bit Adam (kmp.engine.rules.EightBitAdam: dequantize both moments, the
-  same rule, quantize both again);
-- quantize of both moments alone (block absmax, divide, nearest code);
-- dequantize of both moments alone (code lookup times the block's scale);
-- the quantize's block absmax and divide alone, without the code lookup:
-  what a quantize costs at the least in XLA, however it finds the codes;
+- 8-bit Adam (kmp.scaling.eight_bit.adam_update, what kmp.engine.rules.EightBitAdam
+  runs: decode both moments, Keras's rule, new scales from the gradient's
+  block maxima, encode both again);
+- encode of both moments alone, with given scales;
+- decode of both moments alone;
+- the gradient's block maxima alone (the one reduction of the 8-bit update);
 - a copy of one buffer times 2 (the memory-bandwidth floor of one pass).
 
 What the 8-bit states cost per step beyond 32-bit Adam is the difference of
@@ -29,7 +29,7 @@ from common import interleaved, report
 import tensorflow as tf  # noqa: E402  (common sets the log level first)
 
 from kmp.engine import fused  # noqa: E402
-from kmp.engine.rules import EightBitAdam  # noqa: E402
+from kmp.scaling.eight_bit import adam_update  # noqa: E402
 from kmp.scaling import quantize  # noqa: E402
 
 N = 2_631_936  # P1's 2,631,937 parameters, in whole blocks of 256 and units of 16
@@ -49,12 +49,6 @@ class _Slot:
         self.value = value
 
 
-def _scaled(x):
-    # quantize's first half, then the quotients stored as bytes, as the codes are: no lookup.
-    v, absmax = quantize.scaled_blocks(x)
-    return tf.cast(v * 127.0, tf.uint8), absmax
-
-
 def _scalars():
     return fused._Adam.scalars(HYPER, tf.constant(1e-3), tf.constant(10.0), tf.float32)
 
@@ -68,28 +62,27 @@ def main() -> None:
     w, g = (tf.constant(rng.standard_normal(N).astype(np.float32) * s) for s in (1.0, 1e-3))
     m = tf.constant(rng.standard_normal(N).astype(np.float32) * np.float32(1e-3))
     v = tf.constant(np.square(rng.standard_normal(N).astype(np.float32) * np.float32(1e-3)))
-    signed, unsigned = quantize.dynamic_map(True), quantize.dynamic_map(False)
-    (mq, ms), (vq, vs) = quantize.quantize(m, signed), quantize.quantize(v, unsigned)
+    (mq, ms), (rq, rs) = quantize.quantize(m, True), quantize.quantize(tf.sqrt(v), False)
 
     def adam32(w, g, m, v):
         slots = (_Slot(m), _Slot(v))
         new_w = fused._Adam.update(_scalars(), HYPER, w, g, slots)
         return new_w, slots[0].value, slots[1].value
 
-    def adam8(w, g, mq, ms, vq, vs):
-        slots = [_Slot(t) for t in (mq, ms, vq, vs)]
-        new_w = EightBitAdam.update(_scalars(), HYPER, w, g, slots)
-        return (new_w, *(s.value for s in slots))
+    def adam8(w, g, mq, ms, rq, rs):
+        s = _scalars()
+        step, states = adam_update(g, (mq, ms, rq, rs), s["alpha"], s["one_minus_beta_1"], s["one_minus_beta_2"],
+                                   s["epsilon"], quantize.BLOCK_SIZE)
+        return (w - step, *states)
 
     functions = {
         "32-bit Adam": (adam32, (w, g, m, v)),
-        "8-bit Adam": (adam8, (w, g, mq, ms, vq, vs)),
-        "quantize both moments": (lambda m, v: (quantize.quantize(m, signed), quantize.quantize(v, unsigned)),
-                                  (m, v)),
-        "dequantize both moments": (lambda mq, ms, vq, vs: (quantize.dequantize(mq, ms, signed),
-                                                            quantize.dequantize(vq, vs, unsigned)),
-                                    (mq, ms, vq, vs)),
-        "block absmax and divide of both moments": (lambda m, v: (_scaled(m), _scaled(v)), (m, v)),
+        "8-bit Adam": (adam8, (w, g, mq, ms, rq, rs)),
+        "encode both moments": (lambda m, v, ms, rs: (quantize.encode(m, ms, True), quantize.encode(v, rs, False)),
+                                (m, tf.sqrt(v), ms, rs)),
+        "decode both moments": (lambda mq, ms, rq, rs: (quantize.decode(mq, ms, True),
+                                                        quantize.decode(rq, rs, False)), (mq, ms, rq, rs)),
+        "the gradient's block maxima": (quantize.block_absmax, (g,)),
         "copy of one buffer (x * 2)": (lambda w: w * 2.0, (w,)),
     }
 

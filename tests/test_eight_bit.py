@@ -8,15 +8,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import kmp
 from kmp.engine import engine
 from kmp.scaling import quantize
 from kmp.engine import zero
-from kmp.scaling.eight_bit import Adam8bit, AdamW8bit
-
-HALF_GAP = {True: 0.0070313, False: 0.0035157}  # the maps' largest half gap (tests/test_quantize.py measures it)
-
+from kmp.scaling.eight_bit import Adam8bit, AdamW8bit, adam_update
 
 def _problem(seed=0, rows=64):
     rng = np.random.default_rng(seed)
@@ -33,7 +33,17 @@ def _model(optimizer, strategy=None):
     return model
 
 
-def test_the_first_step_is_adams_and_its_moments_are_stored_within_the_map_bound():
+def _assert_within_precision(stored, exact, scales, signed):
+    """stored (decoded) is exact to the format's precision (1/16 signed, 1/32 unsigned) above its block's window,
+    and within the smallest value times the scale under it."""
+    k = 3 if signed else 4
+    scale = np.repeat(np.asarray(scales, np.float64), 256)[:len(exact)]
+    err = np.abs(np.asarray(stored, np.float64) - exact)
+    bound = (np.abs(exact) * 2.0 ** -(k + 1) + 2.0 ** -15 * 1.125 * scale) * (1 + 1e-5) + 1e-30
+    assert np.all(err <= bound), np.max(err / bound)
+
+
+def test_the_first_step_is_adams_and_its_moments_are_stored_within_the_formats_precision():
     x, y = _problem()
     plain, eight = _model(keras.optimizers.Adam(1e-2)), _model(Adam8bit(1e-2))
     for model in (plain, eight):
@@ -41,17 +51,52 @@ def test_the_first_step_is_adams_and_its_moments_are_stored_within_the_map_bound
     # From zero moments the step uses the exact new moments, as Keras's Adam does.
     for a, b in zip(plain.trainable_weights, eight.trainable_weights):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-7)
-    # What is stored is each moment to within half a gap of the map, times its block's absmax.
-    inner = plain.optimizer
+    inner, optimizer = plain.optimizer, eight.optimizer
     for variable in eight.trainable_variables:
-        m, v = (np.array(t).ravel() for t in eight.optimizer.moments(variable))
-        index = inner._get_variable_index(plain.trainable_variables[eight.optimizer._get_variable_index(variable)])
-        for stored, exact, signed in ((m, np.array(inner._momentums[index]).ravel(), True),
-                                      (v, np.array(inner._velocities[index]).ravel(), False)):
-            blocks = np.pad(np.abs(exact), (0, -len(exact) % 256)).reshape(-1, 256).max(axis=1)
-            bound = np.repeat(blocks, 256)[:len(exact)] * HALF_GAP[signed] * (1 + 1e-5)
-            assert np.all(np.abs(stored - exact) <= bound)
-            assert np.abs(stored - exact).max() > 0  # quantized, not kept
+        index = optimizer._get_variable_index(variable)
+        exact_m, exact_v = (np.array(slots[inner._get_variable_index(plain.trainable_variables[index])]).ravel()
+                            for slots in (inner._momentums, inner._velocities))
+        m, v = (np.array(t).ravel() for t in optimizer.moments(variable))
+        m_scales, r_scales = np.array(optimizer._moment_scales[index]), np.array(optimizer._velocity_scales[index])
+        _assert_within_precision(m, exact_m, m_scales, True)
+        _assert_within_precision(np.sqrt(v), np.sqrt(exact_v), r_scales, False)
+        assert np.abs(m - exact_m).max() > 0  # quantized, not kept
+        # The first scales are the bounds the gradient gives, here exactly each block's largest moment / TOP.
+        for exact, scales, form in ((exact_m, m_scales, quantize.SIGNED), (np.sqrt(exact_v), r_scales,
+                                                                           quantize.UNSIGNED)):
+            largest = np.abs(np.pad(exact, (0, -len(exact) % 256))).reshape(-1, 256).max(axis=1)
+            np.testing.assert_allclose(scales * form.top, largest, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(exponents=hnp.arrays(np.float64, (6, 3), elements=st.floats(-12, 12)),
+       zero=hnp.arrays(np.bool_, (6, 3)), seed=st.integers(0, 2 ** 16))
+def test_property_every_step_stores_the_exact_new_moments_to_the_formats_precision(exponents, zero, seed):
+    """Six steps of adam_update on three blocks whose gradients jump by up to 24 decades from step to step (or are
+    zero): the step is Keras's on the decoded moments, the stored moments are the exact new ones to the format's
+    precision, the new scales bound them (no code saturates but by rounding), and a nonzero second moment never
+    decodes to 0 (Adam divides by it)."""
+    rng = np.random.default_rng(seed)
+    n, b1, b2, eps, alpha = 700, 0.9, 0.999, 1e-7, 1e-3
+    states = [tf.zeros([n], tf.uint8), tf.zeros([3]), tf.zeros([n], tf.uint8), tf.zeros([3])]
+    for t in range(6):
+        scale = np.where(zero[t], 0.0, 10.0 ** exponents[t])
+        g = (rng.standard_normal(768) * np.repeat(scale, 256))[:n].astype(np.float32)
+        m = quantize.decode(states[0], states[1], True).numpy().astype(np.float64)
+        v = np.square(quantize.decode(states[2], states[3], False).numpy().astype(np.float64))
+        step, states = adam_update(tf.constant(g), states, alpha, 1 - b1, 1 - b2, eps, 256)
+        m = m + (g - m) * (1 - b1)
+        v = v + (np.square(g.astype(np.float64)) - v) * (1 - b2)
+        # float32 arithmetic: near m = 0, (g - m) * (1 - beta_1) cancels; the step is in units of alpha.
+        np.testing.assert_allclose(step.numpy(), alpha * m / (np.sqrt(v) + eps), rtol=1e-5, atol=1e-6 * alpha)
+        new_m = quantize.decode(states[0], states[1], True).numpy()
+        new_r = quantize.decode(states[2], states[3], False).numpy()
+        _assert_within_precision(new_m, m, states[1].numpy(), True)
+        _assert_within_precision(new_r, np.sqrt(v), states[3].numpy(), False)
+        for exact, scales, form in ((np.abs(m), states[1], quantize.SIGNED), (np.sqrt(v), states[3],
+                                                                              quantize.UNSIGNED)):
+            assert np.all(exact <= np.repeat(scales.numpy(), 256)[:n] * form.top * (1 + 1e-5) + 1e-37)
+        assert np.all((new_r > 0) | (v < 1e-70))
 
 
 def test_the_states_are_a_byte_per_moment_and_a_scale_per_block():
@@ -223,9 +268,3 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
         host = estimate.host if device == zero.host(flat.distribute_strategy) else 0
         assert allocated == dataclasses.replace(estimate.in_variables(), optimizer_state=allocated.optimizer_state)
         assert allocated.optimizer_state == estimate.optimizer_state + host, device
-
-
-def test_the_maps_are_the_ones_quantize_uses():
-    # Signed for the first moment, unsigned for the second, as bitsandbytes' Adam8bit.
-    assert quantize.dynamic_map(True).min() < 0 <= quantize.dynamic_map(False).min()
-    assert tf.get_static_value(tf.constant(quantize.dynamic_map(False))).max() == 1.0

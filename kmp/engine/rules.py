@@ -4,7 +4,7 @@ Each rule is Keras 3.15's `update_step`, op for op, on one flat tensor per
 slot (`scalars` once per step, `update` on the whole buffer). SGD, Adam and
 AdamW use kmp.engine.fused's rules. Lamb's trust ratio is per variable: the norms
 are sums over each variable's segment of the buffer. kmp.scaling.eight_bit's 8-bit
-Adam and AdamW run fused._Adam on moments dequantized from their buffers.
+Adam and AdamW run its adam_update on their buffers of codes and scales.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import keras
 import tensorflow as tf
 
 from kmp.engine import fused
-from kmp.scaling import quantize
-from kmp.scaling.eight_bit import Adam8bit, AdamW8bit, Moment
+from kmp.scaling.eight_bit import Adam8bit, AdamW8bit, adam_update
 
 ADAM_SLOTS = (("momentum", "_momentums"), ("velocity", "_velocities"))
 
@@ -86,12 +85,13 @@ class Lamb:
 
 
 class EightBitAdam:
-    """kmp.scaling.eight_bit's Adam8bit/AdamW8bit update_step on flat buffers: fused._Adam on the dequantized moments.
+    """kmp.scaling.eight_bit's Adam8bit/AdamW8bit update_step on flat buffers (its adam_update, on whole buffers).
 
     Each moment is two buffers, its uint8 codes (one per element) and its
-    float32 scales (one per block). kmp.engine.buffers starts every variable on a
-    block, so the blocks, codes and scales are those of the Keras variables;
-    the elements that pad a variable to whole blocks hold the code of zero.
+    float32 scales (one per block); the second moment is stored as its square
+    root. kmp.engine.buffers starts every variable on a block, so the blocks,
+    codes and scales are those of the Keras variables; the elements that pad a
+    variable to whole blocks hold code 0, the value 0.
     """
 
     slots = (("momentum_codes", "_moment_codes"), ("momentum_scales", "_moment_scales"),
@@ -99,14 +99,15 @@ class EightBitAdam:
     blocks = True  # kmp.engine.buffers aligns each variable to the optimizer's block_size
     per_block = ("momentum_scales", "velocity_scales")
     dtypes = {"momentum_codes": tf.uint8, "velocity_codes": tf.uint8}
-    pads = {"momentum_codes": quantize.zero_code(True), "velocity_codes": quantize.zero_code(False)}
     scalars = staticmethod(fused._Adam.scalars)
 
     @staticmethod
     def update(s, h, value, grad, slots):
-        m_codes, m_scales, v_codes, v_scales = slots
-        moments = (Moment(m_codes, m_scales, True, h["block_size"]), Moment(v_codes, v_scales, False, h["block_size"]))
-        return fused._Adam.update(s, h, value, grad, moments)
+        step, states = adam_update(grad, [slot.read_value() for slot in slots], s["alpha"], s["one_minus_beta_1"],
+                                   s["one_minus_beta_2"], s["epsilon"], h["block_size"])
+        for slot, state in zip(slots, states):
+            slot.assign(state)
+        return value - step
 
 
 # The rules whose Keras update squares the gradient (a second moment, an accumulator). Keras squares a sparse
