@@ -43,7 +43,7 @@ Stage 1 shards the state the step updates, the flat buffers' slots
 (kmp.engine.buffers); Keras's slot variables, the observable copy (saved, read by
 callbacks), are held once per process in host memory (kmp.engine.zero.to_host), so
 a replica device holds k*4*ceil(P/N) of optimizer state, as in DeepSpeed,
-and the host k*P*b more. 8-bit states (kmp.scaling.eight_bit) as bitsandbytes keeps them
+and the host k*P*b more. 8-bit states (kmp.scaling.eight_bit) in bitsandbytes' layout
 (bitsandbytes-foundation/bitsandbytes bitsandbytes/optim/optimizer.py at
 95f9af30: uint8 moments, one float32 absmax per block of 256; 2048 before
 aa57bd89, 2024), in blocks per variable; kmp quantizes every variable
