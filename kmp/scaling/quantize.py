@@ -36,16 +36,16 @@ _TINY, _TINY_BITS, _INF_BITS = 2.0 ** -126, 0x00800000, 0x7F800000  # 2**-126, i
 
 
 class Format:
-    """One byte layout: `signed` takes the top bit for the sign; the exponent has 4 bits, the significand the rest."""
+    """One byte layout: `signed` takes the top bit for the sign, the exponent the next bits, the significand the rest."""
 
-    def __init__(self, signed: bool):
-        self.signed = signed
-        self.significand_bits = 3 if signed else 4
-        self.shift = 23 - self.significand_bits  # float32 bits -> code bits
+    def __init__(self, signed: bool, significand_bits: int):
+        self.signed, self.significand_bits = signed, significand_bits
+        self.shift = 23 - significand_bits  # float32 bits -> code bits
         self.largest_code = 0x7F if signed else 0xFF
-        # The top exponent (15) is float32's 0: the codes cover 2**-15 .. TOP.
-        self.base = (127 - 15) << self.significand_bits
-        self.top = float(2.0 - 2.0 ** -self.significand_bits)
+        top_exponent = (self.largest_code >> significand_bits)
+        # The top exponent is float32's 0: the codes cover 2**-top_exponent .. TOP.
+        self.base = (127 - top_exponent) << significand_bits
+        self.top = float(2.0 - 2.0 ** -significand_bits)
         # Scales are multiplied by it, never divided by top: XLA would make a division a multiplication anyway.
         self.inverse_top = float(np.float32(1.0 / self.top))
 
@@ -54,7 +54,7 @@ class Format:
         return decode_codes(tf.range(256, dtype=tf.int32), self).numpy()
 
 
-SIGNED, UNSIGNED = Format(True), Format(False)
+SIGNED, UNSIGNED = Format(True, 3), Format(False, 4)
 FORMATS = {True: SIGNED, False: UNSIGNED}
 
 
