@@ -20,7 +20,8 @@ divides by sqrt(v) anyway):
     m8 = encode(m, m_scale');                 r8 = encode(sqrt(v), r_scale')
 
 The new scales bound the new moments before they are computed (adam_update),
-so all of it is one pass over the elements. Every variable is quantized,
+so the moments are decoded, updated and encoded in one pass over the
+elements (the gradient's block maxima take one more). Every variable is quantized,
 its blocks its own. On kmp.prepare's flat buffers the same update runs on
 whole buffers of codes and scales (kmp.engine.rules.EightBitAdam;
 kmp.engine.buffers starts each variable on a block, so the blocks are these),

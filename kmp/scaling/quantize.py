@@ -5,22 +5,22 @@ scale per block of 256, they take 1 + 4/256 bytes per element per moment instead
 
 Each byte is a small float, x / scale of its block rounded to nearest (ties to even), with no infinities or NaN:
 
-- signed (Adam's first moment): 1 sign, 4 exponent and 3 significand bits, the layout of FP8 E4M3. Magnitudes
-  2**-15 * 1.125 .. 1.875 (TOP), each within 1/16 of its value;
+- signed (Adam's first moment): 1 sign, 4 exponent and 3 significand bits (FP8 E4M3's fields, another bias, no
+  NaN). Magnitudes 2**-15 * 1.125 .. 1.875 (TOP), each within 1/16 of its value;
 - unsigned (the square root of Adam's second moment): 4 exponent and 4 significand bits. Magnitudes
   2**-15 * 1.0625 .. 1.9375, each within 1/32 of its value.
 
-Code 0 is 0.0 in both; there are no subnormals. A value that rounds to 2**-15 or less becomes 0 when signed, the
-smallest code when unsigned and positive (Adam divides by it: rounded up, a step only gets smaller). Above TOP, the
-top code.
+Code 0 is 0.0 in both; there are no subnormals (and a subnormal float32 counts as 0). A value that rounds to
+2**-15 or less becomes 0 when signed, the smallest code when unsigned and positive (Adam divides by it: rounded
+up, a step only gets smaller). Above TOP, the top code.
 
 Why small floats and not a code book (bitsandbytes' dynamic map): a float's code is its own float32 bits, rounded
 and shifted, and its value those bits shifted back. Both are a few integer operations an element, which XLA on CPU
 vectorizes into the update's loop; a code book takes a search to encode and a gather to decode, which made the
 8-bit update 2.5x the 32-bit one here. And a float keeps the same relative precision across its 15 binades, so
-a block's scale only has to bound the block, not equal its largest magnitude: kmp's 8-bit Adam (kmp.scaling.
-eight_bit) computes the new scale from the old one and the gradient, before the new moments exist, and encodes
-them in the same pass that computes them (no second pass for a block maximum).
+a block's scale only has to bound the block, not equal its largest magnitude: kmp's 8-bit Adam
+(kmp.scaling.eight_bit) computes the new scale from the old one and the gradient, before the new moments exist,
+and encodes them in the same pass that computes them (no second pass for a block maximum).
 
 The scale of a block can be 0 (an all-zero block: it decodes to zeros, whatever its codes). A block with an inf or
 NaN scale decodes to inf or NaN throughout. block_absmax sees inf and NaN, which XLA's float reduce_max on CPU drops.
@@ -36,13 +36,13 @@ _TINY, _TINY_BITS, _INF_BITS = 2.0 ** -126, 0x00800000, 0x7F800000  # 2**-126, i
 
 
 class Format:
-    """One byte layout: `signed` takes the top bit for the sign, the exponent the next bits, the significand the rest."""
+    """A byte layout: `signed` takes the top bit for the sign, the exponent the next bits, the significand the rest."""
 
     def __init__(self, signed: bool, significand_bits: int):
         self.signed, self.significand_bits = signed, significand_bits
         self.shift = 23 - significand_bits  # float32 bits -> code bits
         self.largest_code = 0x7F if signed else 0xFF
-        top_exponent = (self.largest_code >> significand_bits)
+        top_exponent = self.largest_code >> significand_bits
         # The top exponent is float32's 0: the codes cover 2**-top_exponent .. TOP.
         self.base = (127 - top_exponent) << significand_bits
         self.top = float(2.0 - 2.0 ** -significand_bits)
