@@ -72,7 +72,7 @@ def main() -> None:
     def adam8(w, g, mq, ms, rq, rs):
         s = _scalars()
         step, states = adam_update(g, (mq, ms, rq, rs), s["alpha"], s["one_minus_beta_1"], s["one_minus_beta_2"],
-                                   s["epsilon"], quantize.BLOCK_SIZE)
+                                   s["epsilon"], quantize.BLOCK_SIZE, tf.constant(10.0))
         return (w - step, *states)
 
     functions = {

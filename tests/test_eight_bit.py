@@ -34,12 +34,12 @@ def _model(optimizer, strategy=None):
 
 
 def _assert_within_precision(stored, exact, scales, signed):
-    """stored (decoded) is exact to the format's precision (1/16 signed, 1/32 unsigned) above its block's window,
-    and within the smallest value times the scale under it."""
+    """stored (decoded) is one of the two codes around exact: within a code's step (1/8 of the value signed, 1/16
+    unsigned) above its block's window, and within the smallest value times the scale under it."""
     k = 3 if signed else 4
     scale = np.repeat(np.asarray(scales, np.float64), 256)[:len(exact)]
     err = np.abs(np.asarray(stored, np.float64) - exact)
-    bound = (np.abs(exact) * 2.0 ** -(k + 1) + 2.0 ** -15 * 1.125 * scale) * (1 + 1e-5) + 1e-30
+    bound = (np.abs(exact) * 2.0 ** -k + 2.0 ** -15 * 1.125 * scale) * (1 + 1e-5) + 1e-30
     assert np.all(err <= bound), np.max(err / bound)
 
 
@@ -84,7 +84,7 @@ def test_property_every_step_stores_the_exact_new_moments_to_the_formats_precisi
         g = (rng.standard_normal(768) * np.repeat(scale, 256))[:n].astype(np.float32)
         m = quantize.decode(states[0], states[1], True).numpy().astype(np.float64)
         v = np.square(quantize.decode(states[2], states[3], False).numpy().astype(np.float64))
-        step, states = adam_update(tf.constant(g), states, alpha, 1 - b1, 1 - b2, eps, 256)
+        step, states = adam_update(tf.constant(g), states, alpha, 1 - b1, 1 - b2, eps, 256, t + 1.0)
         m = m + (g - m) * (1 - b1)
         v = v + (np.square(g.astype(np.float64)) - v) * (1 - b2)
         # float32 arithmetic: near m = 0, (g - m) * (1 - beta_1) cancels; the step is in units of alpha.
@@ -97,6 +97,51 @@ def test_property_every_step_stores_the_exact_new_moments_to_the_formats_precisi
                                                                               quantize.UNSIGNED)):
             assert np.all(exact <= np.repeat(scales.numpy(), 256)[:n] * form.top * (1 + 1e-5) + 1e-37)
         assert np.all((new_r > 0) | (v < 1e-70))
+
+
+def _steps(gradients, states=None, stochastic=True):
+    """adam_update over `gradients` (one flat array a step) from zero states: the decoded (m, v) after the last."""
+    n = len(gradients[0])
+    blocks = -(-n // 256)
+    states = states or [tf.zeros([n], tf.uint8), tf.zeros([blocks]), tf.zeros([n], tf.uint8), tf.zeros([blocks])]
+    for t, g in enumerate(gradients):
+        _, states = adam_update(tf.constant(g, tf.float32), states, 1e-3, 0.1, 0.001, 1e-7, 256, t + 1.0, stochastic)
+    m, r = quantize.decode(states[0], states[1], True).numpy(), quantize.decode(states[2], states[3], False).numpy()
+    return m, np.square(r.astype(np.float64))
+
+
+def test_a_second_moment_follows_adams_while_its_block_stays_busy():
+    """Small noisy gradients beside one large one: each element's v moves by about 0.1% a step (beta_2 = 0.999).
+    Rounded to nearest, a change that small comes back to the same code, and v stays where it was (sqrt(v) 1.19x
+    Adam's after 1500 steps here, the median; 1.02x-1.36x from the 5th to the 95th percentile); rounded
+    stochastically it follows Adam's float64 sqrt(v) on average."""
+    rng = np.random.default_rng(0)
+    steps = 1500
+    g = (rng.standard_normal((steps, 256)) * 0.01).astype(np.float32)
+    g[:, 0] = 1.0  # holds the block's scale up
+    exact = np.zeros(256)
+    for row in g.astype(np.float64):
+        exact += (row ** 2 - exact) * 0.001
+    ratios = {}
+    for stochastic in (True, False):
+        _, v = _steps(list(g), stochastic=stochastic)
+        ratios[stochastic] = np.sqrt(v[1:] / exact[1:])  # what is stored, and what Adam divides by
+    ratio = ratios[True]
+    assert abs(np.median(ratio) - 1) < 0.05 and abs(ratio.mean() - 1) < 0.05, (np.median(ratio), ratio.mean())
+    assert np.percentile(ratio, 5) > 0.75 and np.percentile(ratio, 95) < 1.25, np.percentile(ratio, [5, 95])
+    assert np.median(ratios[False]) > 1.15  # what rounding to nearest does here
+
+
+def test_stochastic_rounding_is_reproducible_and_the_same_for_every_block():
+    rng = np.random.default_rng(0)
+    g = [rng.standard_normal(512).astype(np.float32) for _ in range(5)]
+    first, second = _steps(g), _steps(g)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    # The noise is keyed by the place in the block: a variable that is the second block of another gets its codes.
+    m, v = _steps([x[256:] for x in g])
+    np.testing.assert_array_equal(m, first[0][256:])
+    np.testing.assert_array_equal(v, first[1][256:])
 
 
 def test_the_states_are_a_byte_per_moment_and_a_scale_per_block():

@@ -151,3 +151,32 @@ def test_rejects_what_it_cannot_do():
         kq.quantize(tf.zeros([8]), True, block_size=0)
     with pytest.raises(ValueError, match="1-D tensor of static length"):
         kq.decode(tf.zeros([0], tf.uint8), tf.zeros([0]), True)
+
+
+@pytest.mark.parametrize("signed", FORMATS.values(), ids=FORMATS)
+def test_stochastic_rounding_picks_a_neighbour_and_is_right_on_average(signed):
+    rng = np.random.default_rng(1)
+    x = (rng.uniform(0.5, 1.8, 64) * (rng.choice([-1, 1], 64) if signed else 1)).astype(np.float32)
+    draws = 4000
+    form = kq.FORMATS[signed]
+    noise = kq.dither(tf.reshape(tf.range(draws * 64), [draws, 64]), 7)
+    codes = kq.encode_codes(tf.broadcast_to(tf.constant(x), [draws, 64]), form, noise)
+    values = kq.decode_codes(codes, form).numpy().astype(np.float64)
+    nearest = _values(signed)[_nearest(x, signed)]
+    step = 2.0 ** -(form.significand_bits) * 2.0 ** np.floor(np.log2(np.abs(x)))
+    assert np.all(np.abs(values - x) < step)  # one of the two codes around x
+    # The mean of the draws is x (its standard error is under step / 2 / sqrt(draws)); the nearest code is not.
+    np.testing.assert_allclose(values.mean(axis=0), x, atol=float(4 * step.max() / 2 / np.sqrt(draws)))
+    assert np.abs(nearest - x).max() > 4 * step.max() / 2 / np.sqrt(draws)
+
+
+def test_dither_is_murmur3s_finalizer():
+    def fmix32(h):
+        for multiplier, shift in ((0x85EBCA6B, 16), (0xC2B2AE35, 13), (None, 16)):
+            h ^= h >> shift
+            h = h * multiplier & 0xFFFFFFFF if multiplier else h
+        return h
+
+    keys = np.array([0, 1, 2, 12345, -7, 2 ** 31 - 1, -2 ** 31], np.int32)
+    got = kq.dither(tf.constant(keys), 0x5BD1E995).numpy().view(np.uint32)
+    np.testing.assert_array_equal(got, [fmix32((int(k) ^ 0x5BD1E995) & 0xFFFFFFFF) for k in keys])

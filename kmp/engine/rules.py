@@ -99,12 +99,15 @@ class EightBitAdam:
     blocks = True  # kmp.engine.buffers aligns each variable to the optimizer's block_size
     per_block = ("momentum_scales", "velocity_scales")
     dtypes = {"momentum_codes": tf.uint8, "velocity_codes": tf.uint8}
-    scalars = staticmethod(fused._Adam.scalars)
+
+    @staticmethod
+    def scalars(h, lr, local_step, dtype):
+        return {**fused._Adam.scalars(h, lr, local_step, dtype), "local_step": local_step}
 
     @staticmethod
     def update(s, h, value, grad, slots):
         step, states = adam_update(grad, [slot.read_value() for slot in slots], s["alpha"], s["one_minus_beta_1"],
-                                   s["one_minus_beta_2"], s["epsilon"], h["block_size"])
+                                   s["one_minus_beta_2"], s["epsilon"], h["block_size"], s["local_step"])
         for slot, state in zip(slots, states):
             slot.assign(state)
         return value - step

@@ -36,6 +36,7 @@ import functools
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -89,7 +90,7 @@ class _EightBitStates:
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         states = self._states(index)
         step, new_states = adam_update(gradient, [_read(state) for state in states], alpha, 1 - self.beta_1,
-                                       1 - self.beta_2, self.epsilon, self.block_size)
+                                       1 - self.beta_2, self.epsilon, self.block_size, local_step)
         self.assign_sub(variable, ops.reshape(step, variable.shape))
         for state, value in zip(states, new_states):
             self.assign(state, value)
@@ -110,21 +111,32 @@ class _EightBitStates:
         return {**super().get_config(), "block_size": self.block_size}
 
 
-def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon, block_size):
+def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon, block_size, local_step,
+                stochastic: bool = True):
     """Adam's step on 8-bit moments: (the step to subtract from the weight, the four new states).
 
-    `states` are the flat (m codes, m scales, sqrt(v) codes, sqrt(v) scales); `grad` is flat, dense, float32.
-    Keras's Adam.update_step on the decoded moments, op for op. The new scales are bounds computed before the new
-    moments, from the old scales and the block's largest |gradient|:
+    `states` are the flat (m codes, m scales, sqrt(v) codes, sqrt(v) scales); `grad` is flat, dense, float32;
+    `local_step` is Keras's (iterations + 1, as float32). Keras's Adam.update_step on the decoded moments, op for
+    op. The new scales are bounds computed before the new moments, from the old scales and the block's largest
+    |gradient|:
 
         |m'| = |beta_1 m + (1 - beta_1) g| <= beta_1 TOP s + (1 - beta_1) max|g| = TOP s'
         sqrt(v') = sqrt(beta_2 v + (1 - beta_2) g^2) <= TOP sqrt(beta_2 s^2 + (1 - beta_2) (max|g| / TOP)^2)
 
     so the moments are encoded in the pass that computes them (kmp.scaling.quantize says why that matters).
+
+    The moments are rounded stochastically. Rounded to nearest, a moment whose change in a step is under half
+    its code's step comes back to the same code: sqrt(v) moves by about 0.05% a step (beta_2 = 0.999), so it stops
+    following Adam's while its block's scale is held up by other elements. Rounded up with the probability of the
+    fraction past the code below, each code is the moment on average. The noise is a hash of the element's place
+    in its block, the step and its gradient's top bits: the same on every replica and on both of kmp's paths, and
+    a run gives the same codes again. `stochastic=False` rounds to nearest (benchmarks/eight_bit_fidelity.py and
+    the tests show the difference).
     """
     n = states[0].shape[0]  # the codes' length, static
-    step, *new = _adam_update_function(int(block_size))(
-        grad, *states, *(tf.cast(x, tf.float32) for x in (alpha, one_minus_beta_1, one_minus_beta_2, epsilon)))
+    step, *new = _adam_update_function(int(block_size), bool(stochastic))(
+        grad, *states, *(tf.cast(x, tf.float32) for x in (alpha, one_minus_beta_1, one_minus_beta_2, epsilon)),
+        tf.cast(local_step, tf.int32))
     shapes = (n, -(-n // block_size)) * 2
     return tf.ensure_shape(step, [n]), tuple(tf.ensure_shape(x, [size]) for x, size in zip(new, shapes))
 
@@ -132,14 +144,16 @@ def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon
 # One tf.function per block size, of any length: in a traced step each variable's update is then one op, traced
 # once, not some sixty ops traced again for each variable; XLA and TensorFlow's graph optimizer inline it.
 @functools.lru_cache(maxsize=None)
-def _adam_update_function(block_size: int):
+def _adam_update_function(block_size: int, stochastic: bool):
     vector, scalar = tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)
-    return tf.function(functools.partial(_adam_update, block_size=block_size), autograph=False, input_signature=[
-        vector, tf.TensorSpec([None], tf.uint8), vector, tf.TensorSpec([None], tf.uint8), vector, *[scalar] * 4])
+    update = functools.partial(_adam_update, block_size=block_size, stochastic=stochastic)
+    return tf.function(update, autograph=False, input_signature=[
+        vector, tf.TensorSpec([None], tf.uint8), vector, tf.TensorSpec([None], tf.uint8), vector, *[scalar] * 4,
+        tf.TensorSpec([], tf.int32)])
 
 
 def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_beta_1, one_minus_beta_2, epsilon,
-                 block_size):
+                 local_step, block_size, stochastic):
     # A float maximum: 0.5 ms less than block_absmax's integer one on P1 here. Under XLA on CPU it drops NaN, so a
     # NaN gradient leaves finite codes where it was (the step is NaN anyway; kmp's loss scaling skips such steps).
     largest = tf.reduce_max(tf.abs(quantize.blocks(grad, block_size)), axis=1)
@@ -152,8 +166,18 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
     m_scales = m_scales + (largest * quantize.SIGNED.inverse_top - m_scales) * one_minus_beta_1
     r_squared = tf.square(r_scales)
     r_scales = tf.sqrt(r_squared + (tf.square(largest * quantize.UNSIGNED.inverse_top) - r_squared) * one_minus_beta_2)
-    return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
-            quantize.encode_any(r, r_scales, False, block_size), r_scales)
+    # The noise's key: the element's place in its block (each variable and ZeRO shard starts on a block), the step,
+    # and the sign, exponent and top 3 significand bits of its gradient, which differ from block to block. Not all
+    # the gradient's bits: kmp's two paths reduce the gradient in different orders, an ulp apart. One hash for both
+    # moments: m's rounding reads its bits 0-19 (mostly 12-19), sqrt(v)'s bits 12-30 (mostly 23-30).
+    if not stochastic:
+        return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
+                quantize.encode_any(r, r_scales, False, block_size), r_scales)
+    top = tf.bitwise.left_shift(tf.bitwise.right_shift(tf.bitcast(grad, tf.int32), 20), 8)
+    noise = quantize.dither((tf.range(tf.shape(grad)[0]) % block_size ^ top) ^ local_step * np.int32(-1640531527),
+                            0x2545F491)
+    return (step, quantize.encode_any(m, m_scales, True, block_size, noise), m_scales,
+            quantize.encode_any(r, r_scales, False, block_size, tf.bitwise.right_shift(noise, 12)), r_scales)
 
 
 def _read(variable):

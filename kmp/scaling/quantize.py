@@ -58,17 +58,32 @@ SIGNED, UNSIGNED = Format(True, 3), Format(False, 4)
 FORMATS = {True: SIGNED, False: UNSIGNED}
 
 
-def encode_codes(x: tf.Tensor, form: Format) -> tf.Tensor:
-    """float32 x (already divided by its scale) -> int32 codes 0..255: the nearest code value, ties to even."""
+def encode_codes(x: tf.Tensor, form: Format, noise: tf.Tensor | None = None) -> tf.Tensor:
+    """float32 x (already divided by its scale) -> int32 codes 0..255: the nearest code value, ties to even; with
+    `noise` (int32, as x, uniform bits: `dither`), rounded stochastically instead, up with the probability of the
+    fraction of a step x is past the code below, so a code's expected value is x."""
     bits = tf.bitcast(x, tf.int32)
     magnitude = tf.minimum(bits & 0x7FFFFFFF, _INF_BITS)  # NaN as inf: no int32 overflow below
     shift = form.shift
-    rounded = tf.bitwise.right_shift(
-        magnitude + ((1 << (shift - 1)) - 1) + (tf.bitwise.right_shift(magnitude, shift) & 1), shift)
-    code = tf.clip_by_value(rounded - form.base, 0, form.largest_code)
+    if noise is None:
+        offset = ((1 << (shift - 1)) - 1) + (tf.bitwise.right_shift(magnitude, shift) & 1)
+    else:
+        offset = noise & ((1 << shift) - 1)
+    code = tf.clip_by_value(tf.bitwise.right_shift(magnitude + offset, shift) - form.base, 0, form.largest_code)
     if form.signed:
         return tf.where(code > 0, code | (tf.bitwise.right_shift(bits, 24) & 0x80), 0)
     return tf.where(x > 0.0, tf.maximum(code, 1), 0)
+
+
+def dither(key: tf.Tensor, salt: int) -> tf.Tensor:
+    """Uniform int32 bits from int32 `key` (any shape), a different stream per `salt`: a multiply-xorshift hash
+    (MurmurHash3's 32-bit finalizer), the same on every device and path, nothing drawn or stored."""
+    h = key ^ np.int32(salt)
+    for multiplier, shift in ((np.int32(-2048144789), 16), (np.int32(-1028477387), 13), (None, 16)):
+        h = h ^ (tf.bitwise.right_shift(h, shift) & ((1 << (32 - shift)) - 1))  # a logical shift
+        if multiplier is not None:
+            h = h * multiplier
+    return h
 
 
 def decode_codes(codes: tf.Tensor, form: Format) -> tf.Tensor:
@@ -111,11 +126,12 @@ def decode(codes, scales, signed: bool, block_size: int = BLOCK_SIZE) -> tf.Tens
     return tf.ensure_shape(decode_any(codes, tf.convert_to_tensor(scales, tf.float32), signed, block_size), [n])
 
 
-def encode_any(x, scales, signed, block_size):
-    """encode for x of any length (its length known when the program runs; nothing checked)."""
-    # A subnormal scale too gives code 0: its inverse would be inf (and 0 * inf NaN).
+def encode_any(x, scales, signed, block_size, noise=None):
+    """encode for x of any length (its length known when the program runs; nothing checked); `noise` as
+    encode_codes', per element of x."""
     inverse = tf.where((scales >= _TINY) & (scales < np.inf), 1.0 / scales, 0.0)
-    codes = encode_codes(blocks(x, block_size) * inverse[:, None], FORMATS[bool(signed)])
+    noise = None if noise is None else blocks(noise, block_size)
+    codes = encode_codes(blocks(x, block_size) * inverse[:, None], FORMATS[bool(signed)], noise)
     return tf.cast(tf.reshape(codes, [-1])[:tf.shape(x)[0]], tf.uint8)
 
 
