@@ -18,6 +18,7 @@ from kmp.scaling import quantize
 from kmp.engine import zero
 from kmp.scaling.eight_bit import Adam8bit, AdamW8bit, adam_update
 
+
 def _problem(seed=0, rows=64):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(rows, 20)).astype("float32")

@@ -166,13 +166,13 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
     m_scales = m_scales + (largest * quantize.SIGNED.inverse_top - m_scales) * one_minus_beta_1
     r_squared = tf.square(r_scales)
     r_scales = tf.sqrt(r_squared + (tf.square(largest * quantize.UNSIGNED.inverse_top) - r_squared) * one_minus_beta_2)
+    if not stochastic:
+        return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
+                quantize.encode_any(r, r_scales, False, block_size), r_scales)
     # The noise's key: the element's place in its block (each variable and ZeRO shard starts on a block), the step,
     # and the sign, exponent and top 3 significand bits of its gradient, which differ from block to block. Not all
     # the gradient's bits: kmp's two paths reduce the gradient in different orders, an ulp apart. One hash for both
     # moments: m's rounding reads its bits 0-19 (mostly 12-19), sqrt(v)'s bits 12-30 (mostly 23-30).
-    if not stochastic:
-        return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
-                quantize.encode_any(r, r_scales, False, block_size), r_scales)
     top = tf.bitwise.left_shift(tf.bitwise.right_shift(tf.bitcast(grad, tf.int32), 20), 8)
     noise = quantize.dither((tf.range(tf.shape(grad)[0]) % block_size ^ top) ^ local_step * np.int32(-1640531527),
                             0x2545F491)
