@@ -1,12 +1,12 @@
-"""How closely 8-bit Adam states follow Adam's float32 ones, stochastic rounding against rounding to nearest.
+"""How closely 8-bit Adam states follow Adam's float32 ones: sqrt(v) rounded stochastically, or to nearest.
 
 The demo's model (digits, 64 -> Dense(256) -> Dense(256) -> Dense(10), float32) trains with Keras's AdamW
 (2e-3, batch 32); the same gradients also update two sets of 8-bit states kept beside it
-(kmp.scaling.eight_bit.adam_update, stochastic and nearest). Every few epochs, for every weight whose float32 step
-m / (sqrt(v) + eps) is material (over 0.05 in units of the learning rate), the 8-bit states' step is compared with
-it: the relative error (median, 90th and 99th percentile), the share of steps under half the float32 one, and the
-share of sqrt(v) over 1.5x Adam's. The states never feed back into training, so the figures are the states' error
-alone, not two runs drifting apart.
+(kmp.scaling.eight_bit.adam_update: sqrt(v) rounded stochastically, as kmp stores it, and to nearest; m to nearest
+in both). Every few epochs, for every weight whose float32 step m / (sqrt(v) + eps) is material (over 0.05 in
+units of the learning rate), the 8-bit states' step is compared with it: the relative error (median, 90th and 99th
+percentile), the share of steps under half the float32 one, and the share of sqrt(v) over 1.5x Adam's. The states
+never feed back into training, so the figures are the states' error alone, not two runs drifting apart.
 
     python benchmarks/eight_bit_fidelity.py [--epochs 30]
 """

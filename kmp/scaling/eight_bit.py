@@ -125,13 +125,14 @@ def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon
 
     so the moments are encoded in the pass that computes them (kmp.scaling.quantize says why that matters).
 
-    The moments are rounded stochastically. Rounded to nearest, a moment whose change in a step is under half
-    its code's step comes back to the same code: sqrt(v) moves by about 0.05% a step (beta_2 = 0.999), so it stops
-    following Adam's while its block's scale is held up by other elements. Rounded up with the probability of the
-    fraction past the code below, each code is the moment on average. The noise is a hash of the element's place
-    in its block, the step and its gradient's top bits: the same on every replica and on both of kmp's paths, and
-    a run gives the same codes again. `stochastic=False` rounds to nearest (benchmarks/eight_bit_fidelity.py and
-    the tests show the difference).
+    sqrt(v) is rounded stochastically, m to nearest. Rounded to nearest, a moment whose change in a step is under
+    half its code's step comes back to the same code: sqrt(v) moves by about 0.05% a step (beta_2 = 0.999), so it
+    stops following Adam's while its block's scale is held up by other elements. Rounded up with the probability
+    of the fraction past the code below, each code is sqrt(v) on average. m moves by a tenth of its distance to
+    the gradient a step and follows it rounded to nearest, with less noise (benchmarks/eight_bit_fidelity.py
+    measured both). The noise is a hash of the element's place in its block, the step and its gradient's top
+    bits: the same on every replica and on both of kmp's paths, and a run gives the same codes again.
+    `stochastic=False` rounds sqrt(v) to nearest too (for that benchmark and the tests that show the difference).
     """
     n = states[0].shape[0]  # the codes' length, static
     step, *new = _adam_update_function(int(block_size), bool(stochastic))(
@@ -166,18 +167,16 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
     m_scales = m_scales + (largest * quantize.SIGNED.inverse_top - m_scales) * one_minus_beta_1
     r_squared = tf.square(r_scales)
     r_scales = tf.sqrt(r_squared + (tf.square(largest * quantize.UNSIGNED.inverse_top) - r_squared) * one_minus_beta_2)
-    if not stochastic:
-        return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
-                quantize.encode_any(r, r_scales, False, block_size), r_scales)
-    # The noise's key: the element's place in its block (each variable and ZeRO shard starts on a block), the step,
-    # and the sign, exponent and top 3 significand bits of its gradient, which differ from block to block. Not all
-    # the gradient's bits: kmp's two paths reduce the gradient in different orders, an ulp apart. One hash for both
-    # moments: m's rounding reads its bits 0-19 (mostly 12-19), sqrt(v)'s bits 12-30 (mostly 23-30).
-    top = tf.bitwise.left_shift(tf.bitwise.right_shift(tf.bitcast(grad, tf.int32), 20), 8)
-    noise = quantize.dither((tf.range(tf.shape(grad)[0]) % block_size ^ top) ^ local_step * np.int32(-1640531527),
-                            0x2545F491)
-    return (step, quantize.encode_any(m, m_scales, True, block_size, noise), m_scales,
-            quantize.encode_any(r, r_scales, False, block_size, tf.bitwise.right_shift(noise, 12)), r_scales)
+    noise = None
+    if stochastic:
+        # The noise's key: the element's place in its block (each variable and ZeRO shard starts on a block), the
+        # step, and the sign, exponent and top 3 significand bits of its gradient, which differ from block to block.
+        # Not all the gradient's bits: kmp's two paths reduce the gradient in different orders, an ulp apart.
+        top = tf.bitwise.left_shift(tf.bitwise.right_shift(tf.bitcast(grad, tf.int32), 20), 8)
+        key = (tf.range(tf.shape(grad)[0]) % block_size ^ top) ^ local_step * np.int32(-1640531527)
+        noise = quantize.dither(key, 0x2545F491)
+    return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
+            quantize.encode_any(r, r_scales, False, block_size, noise), r_scales)
 
 
 def _read(variable):
