@@ -17,7 +17,7 @@ divides by sqrt(v) anyway):
     m = decode(m8, m_scale);                  v = decode(r8, r_scale) ** 2
     m += (g - m) * (1 - beta_1);              v += (g^2 - v) * (1 - beta_2)
     w -= lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) * m / (sqrt(v) + epsilon)
-    m8 = encode(m, m_scale');                 r8 = encode(sqrt(v), r_scale')
+    m8 = encode(m, m_scale');                 r8 = encode(sqrt(v), r_scale', stochastically)
 
 The new scales bound the new moments before they are computed (adam_update),
 so the moments are decoded, updated and encoded in one pass over the
