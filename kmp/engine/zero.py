@@ -123,13 +123,9 @@ def to_replicas(variables, strategy) -> bool:
             continue
         with tf.init_scope(), strategy.scope():
             variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
-                                          aggregation=_AGGREGATIONS[variable.aggregation])
+                                          aggregation=value.aggregation)
         moved = True
     return moved
-
-
-_AGGREGATIONS = {"none": tf.VariableAggregation.NONE, "sum": tf.VariableAggregation.SUM,
-                 "mean": tf.VariableAggregation.MEAN, "only_first_replica": tf.VariableAggregation.ONLY_FIRST_REPLICA}
 
 
 def on_host(variable) -> bool:
