@@ -155,8 +155,8 @@ def _adam_update_function(block_size: int, stochastic: bool):
 
 def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_beta_1, one_minus_beta_2, epsilon,
                  local_step, block_size, stochastic):
-    # A float maximum: 0.5 ms less than block_absmax's integer one on P1 here. Under XLA on CPU it drops NaN, so a
-    # NaN gradient leaves finite codes where it was (the step is NaN anyway; kmp's loss scaling skips such steps).
+    # A float maximum, cheaper than block_absmax's integer one (benchmarks/RESULTS.md). Under XLA on CPU it drops
+    # NaN, so a NaN gradient leaves finite codes where it was (the step is NaN anyway; loss scaling skips such steps).
     largest = tf.reduce_max(tf.abs(quantize.blocks(grad, block_size)), axis=1)
     m = quantize.decode_any(m_codes, m_scales, True, block_size)
     v = tf.square(quantize.decode_any(r_codes, r_scales, False, block_size))

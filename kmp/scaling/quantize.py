@@ -16,9 +16,9 @@ up, a step only gets smaller). Above TOP, the top code.
 
 Why small floats and not a code book (bitsandbytes' dynamic map): a float's code is its own float32 bits, rounded
 and shifted, and its value those bits shifted back. Both are a few integer operations an element, which XLA on CPU
-vectorizes into the update's loop; a code book takes a search to encode and a gather to decode, which made the
-8-bit update 2.5x the 32-bit one here. And a float keeps the same relative precision across its 15 binades, so
-a block's scale only has to bound the block, not equal its largest magnitude: kmp's 8-bit Adam
+vectorizes into the update's loop; a code book takes a search to encode and a gather to decode, passes XLA on CPU
+runs several times slower (benchmarks/RESULTS.md). And a float keeps the same relative precision across its 15
+binades, so a block's scale only has to bound the block, not equal its largest magnitude: kmp's 8-bit Adam
 (kmp.scaling.eight_bit) computes the new scale from the old one and the gradient, before the new moments exist,
 and encodes them in the same pass that computes them (no second pass for a block maximum).
 
