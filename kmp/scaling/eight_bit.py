@@ -157,7 +157,7 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
                  local_step, block_size, stochastic):
     # A float maximum, cheaper than block_absmax's integer one (benchmarks/RESULTS.md). Under XLA on CPU it drops
     # NaN, so a NaN gradient leaves finite codes where it was (the step is NaN anyway; loss scaling skips such steps).
-    largest = tf.reduce_max(tf.abs(quantize.blocks(grad, block_size)), axis=1)
+    largest = _block_maxima(grad, block_size)
     m = quantize.decode_any(m_codes, m_scales, True, block_size)
     v = tf.square(quantize.decode_any(r_codes, r_scales, False, block_size))
     m = m + (grad - m) * one_minus_beta_1
@@ -175,8 +175,17 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
         top = tf.bitwise.left_shift(tf.bitwise.right_shift(tf.bitcast(grad, tf.int32), 20), 8)
         key = (tf.range(tf.shape(grad)[0]) % block_size ^ top) ^ local_step * np.int32(-1640531527)
         noise = quantize.dither(key, 0x2545F491)
+    # The codes take sqrt(|v|), which is r: as another expression, XLA computes it again in the loop that encodes,
+    # instead of writing r to memory for that loop and the weight's (benchmarks/RESULTS.md, eight_bit_update).
     return (step, quantize.encode_any(m, m_scales, True, block_size), m_scales,
-            quantize.encode_any(r, r_scales, False, block_size, noise), r_scales)
+            quantize.encode_any(tf.sqrt(tf.abs(v)), r_scales, False, block_size, noise), r_scales)
+
+
+def _block_maxima(grad, block_size):
+    """Each block's largest |grad|, as max(max, -min): XLA on CPU reads the gradient for each reduction instead of
+    writing |grad| to memory for one."""
+    blocks = quantize.blocks(grad, block_size)
+    return tf.maximum(tf.reduce_max(blocks, axis=1), -tf.reduce_min(blocks, axis=1))
 
 
 def _read(variable):
