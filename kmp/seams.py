@@ -92,6 +92,14 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "tensorflow.python.eager.context", "executor_scope",
         "kmp.engine.buffers: the copies between the flat buffers and the Keras variables queue their eager ops",
     ),
+    "DataAdapter": (
+        "keras.src.trainers.data_adapters.data_adapter", "DataAdapter",
+        "kmp.engine.host_batches: fit() and evaluate() take data already made into an adapter as it is",
+    ),
+    "get_data_adapter": (
+        "keras.src.trainers.data_adapters", "get_data_adapter",
+        "kmp.engine.host_batches: the data adapter Keras's epoch iterator would make, made by kmp",
+    ),
     "get_global_attribute": (
         "keras.src.backend.common.global_state", "get_global_attribute",
         "kmp.prepare on one device: a build from shapes that fails leaves no Keras name scope open",

@@ -153,3 +153,72 @@ def test_evaluate_splits_host_batches_exactly_as_tf_distribute(two_replicas, mon
     distributed = model.evaluate(x, y, sample_weight=weights, batch_size=64, verbose=0, return_dict=True)
     assert issubclass(made[-1], tf.distribute.DistributedIterator)
     assert split == distributed and split["rows"] == ROWS  # each row once, on one replica
+
+
+def _counting(strategy, monkeypatch) -> list:
+    """The datasets `strategy` distributes from now on (this test's strategy object only)."""
+    distributed, stock = [], strategy.experimental_distribute_dataset
+
+    def counted(dataset, *args, **kwargs):
+        distributed.append(dataset)
+        return stock(dataset, *args, **kwargs)
+
+    monkeypatch.setattr(strategy, "experimental_distribute_dataset", counted)
+    return distributed
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_built_model_trains_and_evaluates_without_distributing_its_data(two_replicas, monkeypatch, flat):
+    x, y, _ = _data()
+    histories, weights_after = [], []
+    for handed in (True, False):
+        with monkeypatch.context() as patch:
+            if not handed:  # Keras's own path: fit() and evaluate() distribute their data
+                patch.setattr(host_batches, "hand_over", lambda *args, **kwargs: None)
+            keras.config.set_dtype_policy("float32")
+            with two_replicas.scope():
+                keras.utils.set_random_seed(1)
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                          keras.layers.Dense(2)])
+                model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)),
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[_Rows()])
+            kmp.prepare(model, flat_buffers=flat)
+            labels = (y[:, 0] > 0).astype("int32")
+            model.fit(x[:64], labels[:64], batch_size=64, verbose=0)  # built (a batch drawn for the shapes)
+            distributed = _counting(two_replicas, patch)
+            history = model.fit(x, labels, class_weight={0: 1.0, 1: 2.0}, batch_size=64,
+                                epochs=2, validation_data=(x[:40], labels[:40]), verbose=0)
+            logs = model.evaluate(x, labels, batch_size=32, verbose=0, return_dict=True)
+            assert (not distributed) if handed else len(distributed) == 3, distributed
+            histories.append((history.history, logs))
+            weights_after.append(model.get_weights())
+    assert histories[0] == histories[1] and histories[0][1]["rows"] == ROWS
+    for a, b in zip(*weights_after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_splits_validation_data_off_arrays_and_distributes_them(two_replicas, monkeypatch):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse", metrics=[_Rows()])
+    kmp.prepare(model)
+    x, y, _ = _data()
+    model.fit(x, y, batch_size=64, verbose=0)
+    distributed = _counting(two_replicas, monkeypatch)
+    model.fit(x, y, batch_size=64, validation_split=0.2, verbose=0)
+    assert len(distributed) == 2  # the training and the validation data, as fit() split them
+
+
+def test_a_dataset_handed_over_is_distributed_when_something_reads_it(two_replicas, monkeypatch):
+    dense = tf.data.Dataset.from_tensor_slices((np.arange(16, dtype="float32").reshape(8, 2),)).batch(4)
+    distributed = _counting(two_replicas, monkeypatch)
+    handed = host_batches._Undistributed(two_replicas, dense)
+    assert isinstance(handed, tf.distribute.DistributedDataset) and not distributed
+    assert host_batches.undistributed(two_replicas, handed) is dense and not distributed
+    first = next(iter(handed))  # read: distributed now, once
+    assert distributed == [dense] and handed.element_spec == two_replicas.experimental_distribute_dataset(
+        dense).element_spec
+    shares = two_replicas.experimental_local_results(first[0])
+    np.testing.assert_array_equal(shares[0], [[0, 1], [2, 3]])
+    np.testing.assert_array_equal(shares[1], [[4, 5], [6, 7]])

@@ -71,7 +71,7 @@ import keras
 import tensorflow as tf
 
 from kmp import seams
-from kmp.engine import replica_step
+from kmp.engine import host_batches, replica_step
 from kmp.engine import state as kmp_state
 from kmp.engine import xla_choice
 from kmp.engine import buffers as flat
@@ -300,6 +300,8 @@ def install(model: keras.Model) -> None:
         stock = getattr(type(model), name, None)
         if stock is None:
             continue
+        if name in ("fit", "evaluate"):  # as kmp.prepare's own, without the buffers
+            stock = host_batches.handing_over(stock, fit=name == "fit")
         first = written if name in _WRITERS else observe if name in _SAVERS else _observe_weights
         if name == "fit":
             method = _fit(stock)

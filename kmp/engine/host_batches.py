@@ -22,9 +22,21 @@ Only where the dataset is Keras's own distribution of dense, batched
 tensors: a dataset distributed with InputOptions or from a function, sparse
 or ragged elements, several workers, GPUs and TPUs keep tf.distribute's
 iterator.
+
+Keras distributes the dataset when it makes fit()'s or evaluate()'s epoch
+iterator, before any step, at about 0.012 s per call on P1, the same again
+for fit()'s validation data. A prepared model's fit() and evaluate() make
+Keras's own data adapter themselves (`hand_over`), with the arguments Keras
+would, and give it to Keras in place of the data: its dataset counts as
+distributed already and is distributed when something other than the
+split step reads it (a first batch to build an unbuilt model, a dataset
+the step cannot split).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import keras
 import tensorflow as tf
@@ -81,3 +93,137 @@ def _rows(tensor, k: int, n: int):
     rows = tf.shape(tensor)[0] if rows is None else rows
     each = -(-rows // n)  # ceil; a static batch's shares are static
     return tensor[k * each:(k + 1) * each]  # a slice past the end is empty (a batch of 1 on two replicas)
+
+
+def handing_over(stock, fit: bool):
+    """`stock` (Keras's fit or evaluate, unbound), its data handed over first (`hand_over`)."""
+    parameters = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def method(self, *args, **kwargs):
+        bound = parameters.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        hand_over(self, bound.arguments, fit)
+        return stock(*bound.args, **bound.kwargs)
+
+    return method
+
+
+def hand_over(model: keras.Model, arguments: dict, fit: bool = True) -> None:
+    """fit()'s (or evaluate()'s) `arguments`, bound with their defaults, with the data as Keras's own adapter of
+    it whose dataset is distributed only when read (see the module docstring). Left as they are where the
+    batches are not split in the step, the data is an adapter already, or fit() splits arrays for validation."""
+    strategy = model.distribute_strategy
+    if model.run_eagerly or not possible(strategy) or not _KERAS[fit] <= set(arguments) or _made(arguments["x"]):
+        return  # (or a fit() or evaluate() of the model's own, with other arguments)
+    if fit and arguments["validation_split"] and arguments["validation_data"] is None:
+        return
+    if not fit and arguments.get("kwargs"):
+        return  # Keras's own keyword for fit()'s validation, whose epoch iterator is made already
+    steps = arguments["steps_per_epoch" if fit else "steps"]
+    limit = keras.config.max_steps_per_epoch()  # the epoch iterator's own cap, for its debugging runs
+    if limit and (not steps or limit < steps):
+        steps = limit
+    arguments.update(
+        x=_adapter(strategy, arguments["x"], arguments["y"], arguments["sample_weight"], arguments["batch_size"],
+                   steps, arguments["shuffle"] if fit else False, arguments["class_weight"] if fit else None),
+        y=None, sample_weight=None)
+    if fit:
+        arguments["class_weight"] = None
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(arguments["validation_data"])
+        if not _made(x):  # as fit() makes the validation's epoch iterator
+            arguments["validation_data"] = _adapter(
+                strategy, x, y, sample_weight, arguments["validation_batch_size"] or arguments["batch_size"],
+                arguments["validation_steps"], False, None)
+
+
+# The arguments of Keras 3.15's fit() and evaluate() that hand_over reads.
+_KERAS = {True: {"x", "y", "sample_weight", "batch_size", "steps_per_epoch", "shuffle", "class_weight",
+                 "validation_split", "validation_data", "validation_batch_size", "validation_steps"},
+          False: {"x", "y", "sample_weight", "batch_size", "steps", "kwargs"}}
+
+
+def _made(x) -> bool:
+    """Whether `x` is no data, or data Keras takes as it is (an adapter, a distributed dataset)."""
+    return x is None or isinstance(x, (seams.get("DataAdapter"), tf.distribute.DistributedDataset))
+
+
+def _adapter(strategy, x, y, sample_weight, batch_size, steps, shuffle, class_weight):
+    adapter = seams.get("get_data_adapter")(x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                                           steps_per_epoch=steps, shuffle=shuffle, class_weight=class_weight)
+    return _adapter_class()(strategy, adapter)
+
+
+class _Handed:
+    """Keras's data adapter `adapter`, whose tf.data dataset comes as `_Undistributed` (mixed into Keras's
+    DataAdapter class, which Keras's epoch iterator takes as it is)."""
+
+    def __init__(self, strategy, adapter):
+        self._strategy, self._adapter = strategy, adapter
+
+    def get_tf_dataset(self):
+        return _Undistributed(self._strategy, self._adapter.get_tf_dataset())
+
+    def get_numpy_iterator(self):
+        return self._adapter.get_numpy_iterator()
+
+    def get_jax_iterator(self):
+        return self._adapter.get_jax_iterator()
+
+    def get_torch_dataloader(self):
+        return self._adapter.get_torch_dataloader()
+
+    @property
+    def num_batches(self):
+        return self._adapter.num_batches
+
+    @property
+    def batch_size(self):
+        return self._adapter.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return self._adapter.has_partial_batch
+
+    @property
+    def partial_batch_size(self):
+        return self._adapter.partial_batch_size
+
+    def on_epoch_begin(self):
+        self._adapter.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._adapter.on_epoch_end()
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter_class():
+    return type("HostBatchesAdapter", (_Handed, seams.get("DataAdapter")), {})
+
+
+class _Undistributed(tf.distribute.DistributedDataset):
+    """A dataset Keras takes as distributed, distributed by `strategy` when first read (iterated, or anything
+    but its undistributed original asked of it); `undistributed` finds the original in it."""
+
+    def __init__(self, strategy, dataset):
+        self._strategy, self._original_dataset, self._options, self._distributed = strategy, dataset, None, None
+
+    def _whole(self):
+        if self._distributed is None:
+            self._distributed = self._strategy.experimental_distribute_dataset(self._original_dataset)
+        return self._distributed
+
+    def __iter__(self):
+        return iter(self._whole())
+
+    @property
+    def element_spec(self):
+        return self._whole().element_spec
+
+    def reduce(self, initial_state, reduce_func):
+        return self._whole().reduce(initial_state, reduce_func)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_strategy", "_original_dataset", "_options", "_distributed"):
+            raise AttributeError(name)
+        return getattr(self._whole(), name)

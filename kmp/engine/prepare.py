@@ -123,6 +123,11 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
          batches are read on the host and split in the step
          (kmp.engine.host_batches).
 
+    And `fit` and `evaluate` are wrapped: there, the data is made into Keras's
+    own data adapter before Keras's call, whose dataset is then distributed
+    only if something other than the split step reads it
+    (kmp.engine.host_batches.hand_over).
+
     The train and test functions it builds hand each input iterator to a
     thread of kmp's, which destroys it once nothing else holds it
     (kmp.engine.iterators): fit() never waits for tf.data's teardown. Each
@@ -158,7 +163,11 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     leave_last(model.distribute_strategy)  # a strategy users built themselves, not resolve_strategy's
     _with_kmp_loss_scaling(model)
     if flat_buffers:
-        engine.install(model)
+        engine.install(model)  # its fit() and evaluate() hand the data over too
+    elif not kept.engine_methods:
+        for name in ("fit", "evaluate"):  # the data handed over (kmp.engine.host_batches)
+            stock = host_batches.handing_over(getattr(type(model), name), fit=name == "fit")
+            setattr(model, name, types.MethodType(stock, model))
     if is_prepared(model):
         return model
     # Bound methods stored on the instance shadow the class's methods for
