@@ -300,7 +300,7 @@ def install(model: keras.Model) -> None:
         stock = getattr(type(model), name, None)
         if stock is None:
             continue
-        if name in ("fit", "evaluate"):  # as kmp.prepare's own, without the buffers
+        if name in ("fit", "evaluate"):  # their data handed over, as kmp.prepare does without the buffers
             stock = host_batches.handing_over(stock, fit=name == "fit")
         first = written if name in _WRITERS else observe if name in _SAVERS else _observe_weights
         if name == "fit":
