@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import kmp
+from kmp import seams
 from kmp.engine import engine, host_batches, iterators, replica_step
 
 ROWS = 149  # batches of 64, 64 and 21: the last one splits 11 / 10
@@ -222,3 +223,16 @@ def test_a_dataset_handed_over_is_distributed_when_something_reads_it(two_replic
     shares = two_replicas.experimental_local_results(first[0])
     np.testing.assert_array_equal(shares[0], [[0, 1], [2, 3]])
     np.testing.assert_array_equal(shares[1], [[4, 5], [6, 7]])
+
+
+def test_the_handed_adapter_is_kerass_own_but_for_its_dataset(two_replicas):
+    x, y, _ = _data()
+    handed = host_batches._adapter(two_replicas, x, y, None, 64, None, False, None)
+    own = seams.get("get_data_adapter")(x, y, batch_size=64)  # Keras's own, to compare with
+    assert (handed.num_batches, handed.batch_size, handed.has_partial_batch, handed.partial_batch_size) == (
+        own.num_batches, own.batch_size, own.has_partial_batch, own.partial_batch_size) == (3, 64, True, ROWS - 128)
+    assert isinstance(handed.get_tf_dataset(), host_batches._Undistributed)
+    first = next(handed.get_numpy_iterator())
+    np.testing.assert_array_equal(first[0], x[:64])
+    handed.on_epoch_begin()
+    handed.on_epoch_end()

@@ -155,8 +155,8 @@ def _adapter(strategy, x, y, sample_weight, batch_size, steps, shuffle, class_we
 
 
 class _Handed:
-    """Keras's data adapter `adapter`, whose tf.data dataset comes as `_Undistributed` (mixed into Keras's
-    DataAdapter class, which Keras's epoch iterator takes as it is)."""
+    """Keras's data adapter `adapter`, whose tf.data dataset comes as `_Undistributed`; every other member of
+    Keras's DataAdapter is the adapter's own (`_adapter_class`)."""
 
     def __init__(self, strategy, adapter):
         self._strategy, self._adapter = strategy, adapter
@@ -164,41 +164,20 @@ class _Handed:
     def get_tf_dataset(self):
         return _Undistributed(self._strategy, self._adapter.get_tf_dataset())
 
-    def get_numpy_iterator(self):
-        return self._adapter.get_numpy_iterator()
-
-    def get_jax_iterator(self):
-        return self._adapter.get_jax_iterator()
-
-    def get_torch_dataloader(self):
-        return self._adapter.get_torch_dataloader()
-
-    @property
-    def num_batches(self):
-        return self._adapter.num_batches
-
-    @property
-    def batch_size(self):
-        return self._adapter.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return self._adapter.has_partial_batch
-
-    @property
-    def partial_batch_size(self):
-        return self._adapter.partial_batch_size
-
-    def on_epoch_begin(self):
-        self._adapter.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self._adapter.on_epoch_end()
-
 
 @functools.lru_cache(maxsize=None)
 def _adapter_class():
-    return type("HostBatchesAdapter", (_Handed, seams.get("DataAdapter")), {})
+    """_Handed as a DataAdapter (what Keras's epoch iterator takes as it is), the rest of whose public members,
+    methods and properties, are delegated to the adapter: whatever Keras's DataAdapter declares."""
+    base = seams.get("DataAdapter")
+
+    def delegated(name):
+        if isinstance(getattr(base, name), property):
+            return property(lambda self: getattr(self._adapter, name))
+        return lambda self, *args, **kwargs: getattr(self._adapter, name)(*args, **kwargs)
+
+    members = {name: delegated(name) for name in vars(base) if not name.startswith("_") and name not in vars(_Handed)}
+    return type("HostBatchesAdapter", (_Handed, base), members)
 
 
 class _Undistributed(tf.distribute.DistributedDataset):

@@ -155,8 +155,6 @@ def _adam_update_function(block_size: int, stochastic: bool):
 
 def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_beta_1, one_minus_beta_2, epsilon,
                  local_step, block_size, stochastic):
-    # A float maximum, cheaper than block_absmax's integer one (benchmarks/RESULTS.md). Under XLA on CPU it drops
-    # NaN, so a NaN gradient leaves finite codes where it was (the step is NaN anyway; loss scaling skips such steps).
     largest = _block_maxima(grad, block_size)
     m = quantize.decode_any(m_codes, m_scales, True, block_size)
     v = tf.square(quantize.decode_any(r_codes, r_scales, False, block_size))
@@ -183,7 +181,8 @@ def _adam_update(grad, m_codes, m_scales, r_codes, r_scales, alpha, one_minus_be
 
 def _block_maxima(grad, block_size):
     """Each block's largest |grad|, as max(max, -min): XLA on CPU reads the gradient for each reduction instead of
-    writing |grad| to memory for one."""
+    writing |grad| to memory for one. Float reductions, cheaper than block_absmax's integer one; under XLA on CPU
+    they drop NaN, so a NaN gradient leaves finite codes (the step is NaN anyway; loss scaling skips such steps)."""
     blocks = quantize.blocks(grad, block_size)
     return tf.maximum(tf.reduce_max(blocks, axis=1), -tf.reduce_min(blocks, axis=1))
 
