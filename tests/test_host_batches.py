@@ -236,3 +236,23 @@ def test_the_handed_adapter_is_kerass_own_but_for_its_dataset(two_replicas):
     np.testing.assert_array_equal(first[0], x[:64])
     handed.on_epoch_begin()
     handed.on_epoch_end()
+
+
+class _OwnFit(keras.Sequential):
+    """A model class whose fit() takes other arguments and calls Keras's through super(), as keras-hub's tasks do."""
+
+    def fit(self, x=None, y=None, **kwargs):
+        return super().fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(64), **kwargs)
+
+
+def test_a_fit_of_the_models_own_calls_kerass_which_distributes_as_before(two_replicas, monkeypatch):
+    keras.config.set_dtype_policy("float32")
+    with two_replicas.scope():
+        model = _OwnFit([keras.Input((8,)), keras.layers.Dense(1)], name="own_fit")
+        model.compile(optimizer=kmp.wrap(keras.optimizers.Adam(1e-2)), loss="mse", metrics=[_Rows()])
+    kmp.prepare(model)
+    x, y, _ = _data()
+    model.fit(x, y, verbose=0)
+    distributed = _counting(two_replicas, monkeypatch)
+    history = model.fit(x, y, epochs=2, verbose=0)
+    assert len(distributed) == 1 and history.history["rows"] == [ROWS, ROWS]

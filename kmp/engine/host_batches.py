@@ -30,7 +30,10 @@ Keras's own data adapter themselves (`hand_over`), with the arguments Keras
 would, and give it to Keras in place of the data: its dataset counts as
 distributed already and is distributed when something other than the
 split step reads it (a first batch to build an unbuilt model, a dataset
-the step cannot split).
+the step cannot split). A model class with a fit() of its own that calls
+Keras's (keras-hub's task models: they preprocess into a dataset first)
+reaches Keras's through super(), which an instance's method cannot wrap:
+there Keras distributes the dataset as before.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def hand_over(model: keras.Model, arguments: dict, fit: bool = True) -> None:
     batches are not split in the step, the data is an adapter already, or fit() splits arrays for validation."""
     strategy = model.distribute_strategy
     if model.run_eagerly or not possible(strategy) or not _KERAS[fit] <= set(arguments) or _made(arguments["x"]):
-        return  # (or a fit() or evaluate() of the model's own, with other arguments)
+        return  # (or a fit() or evaluate() of the model class's own, with other arguments: keras-hub's)
     if fit and arguments["validation_split"] and arguments["validation_data"] is None:
         return
     if not fit and arguments.get("kwargs"):
