@@ -42,8 +42,9 @@ def _model(strategy=None, optimizer="adamw", **wrap_args):
             "adagrad": lambda: keras.optimizers.Adagrad(5e-2),
             "lamb": lambda: keras.optimizers.Lamb(1e-2),
             "rmsprop": lambda: keras.optimizers.RMSprop(1e-3),
-            # Blocks of 8: several per variable, and variables that end inside one.
-            "adamw8bit": lambda: kmp.AdamW8bit(1e-2, weight_decay=0.05, block_size=8),
+            # Blocks of 8: several per variable, and variables that end inside one; the variables of 16
+            # elements and fewer keep float32 states (min_8bit_size), the first kernel is quantized.
+            "adamw8bit": lambda: kmp.AdamW8bit(1e-2, weight_decay=0.05, block_size=8, min_8bit_size=17),
         }[optimizer]()
         model.compile(optimizer=kmp.LossScaleOptimizer(inner, **wrap_args), loss="mse")
     return model

@@ -27,7 +27,8 @@ Which of these a model gets is its layout (kmp.engine.layout), chosen once.
 
 Layout: the trainable variables (all float32: mixed precision keeps float32
 masters) in Keras's `model.trainable_variables` order, except that the ones
-the optimizer decays come first, so weight decay is `index < decayed`. Each
+the optimizer decays are one run, so weight decay is `start <= index < end`
+(with 8-bit states, the variables that keep float32 ones come first). Each
 buffer is a variable of the model's strategy (mirrored: each replica owns a
 component) that Keras does not track: checkpoints and `.keras` files hold the
 Keras variables only, in Keras's format (kmp.engine copies the buffers into
@@ -132,27 +133,45 @@ class FlatBuffers:
         trainable = list(model.trainable_variables)
         self.key = (id(optimizer), tuple(id(v) for v in trainable))
         decays = [inner.weight_decay is not None and inner._use_weight_decay(v) for v in trainable]
-        # Decayed variables first: the decay is then a prefix of the buffer.
-        self.order = [i for i, d in enumerate(decays) if d] + [i for i, d in enumerate(decays) if not d]
+        self.rule = RULES[type(inner)]
+        # 8-bit states: the variables under the optimizer's min_8bit_size keep Adam's float32 moments.
+        kept = [hasattr(self.rule, "float32_slots") and not inner.quantizes(n) for n in sizes(trainable)]
+        # Those first, then the decayed ones: each set is then one run of the buffer, [0, kept) and [decay).
+        group = [(0 if d else -1) if k else (1 if d else 2) for k, d in zip(kept, decays)]
+        self.order = sorted(range(len(trainable)), key=group.__getitem__)
         self.variables = [trainable[i] for i in self.order]
         self.sizes = sizes(self.variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
-        self.rule = RULES[type(inner)]
         # 8-bit states quantize by blocks of each variable (kmp.scaling.eight_bit): each variable then
         # starts on a block, its span padded with zeros, so the buffer's blocks are the Keras ones.
         self.block = inner.block_size if getattr(self.rule, "blocks", False) else 1
-        self.spans = [-(-n // self.block) * self.block for n in self.sizes]
-        # The last span padded too, so that the buffers and their shards are whole units:
-        # XLA:CPU vectorizes the update's loop (it reads the learning rate at run time) only
-        # over a multiple of 8 elements (benchmarks/p7_update_scalars.py measures it).
+        self.kept = sum(kept)  # the variables with float32 states, first: not padded, as a run
+        self.spans = [n if k < self.kept else -(-n // self.block) * self.block for k, n in enumerate(self.sizes)]
+        # The last span padded too (and the last with float32 states), so that the buffers, their shards and
+        # the codes' run are whole units: XLA:CPU vectorizes the update's loop (it reads the learning rate at
+        # run time) only over a multiple of 8 elements (benchmarks/p7_update_scalars.py measures it).
         self.unit = math.lcm(self.block, ALIGN)
+        if self.kept:
+            self.spans[self.kept - 1] += -sum(self.spans[:self.kept]) % self.unit
         self.spans[-1] += -sum(self.spans) % self.unit
         self.size = sum(self.spans)
-        self.decayed = sum(self.spans[:sum(decays)])
-        # The Keras variables each buffer mirrors, in buffer order.
+        before = [sum(g < k for g in group) for k in (0, 2)]  # the variables before the decayed, after them
+        self.decay = tuple(sum(self.spans[:k]) for k in before)  # [start, end) in elements
+        # The Keras variables each buffer mirrors, in buffer order; a slot buffer of 8-bit states covers the
+        # variables of its kind only (`variables`: [first, last) in buffer order).
         index = [inner._get_variable_index(v) for v in self.variables]
+        self.float32_names = ()
+        self.covers = {}
         if isinstance(inner, keras.optimizers.SGD):
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
+        elif hasattr(self.rule, "float32_slots"):
+            slots = {}
+            kinds = ((self.rule.float32_slots, 0, self.kept), (self.rule.slots, self.kept, len(index)))
+            for names, start, end in kinds:
+                for name, attribute in names if end > start else ():
+                    slots[name] = [getattr(inner, attribute)[i] for i in index[start:end]]
+                    self.covers[name] = (start, end)
+            self.float32_names = tuple(n for n, _ in self.rule.float32_slots if n in slots)
         else:
             slots = {name: [getattr(inner, attribute)[i] for i in index]
                      for name, attribute in getattr(self.rule, "slots", ADAM_SLOTS)}
@@ -380,14 +399,40 @@ class FlatBuffers:
     def shard_of(self, flat, offset=None, name="weights"):
         """This replica's [offset, offset + shard) of a whole buffer `name`, zeros past its end."""
         offset = self._offset(fused._replica()[0]) if offset is None else offset
-        start, length = self._length(name, offset), self._length(name, self.shard)
-        return _pad_to(flat[start:start + length], length)
+        start, _, n = self._window(name, offset)
+        length = self._elements(name) if name in self.covers else self.shard
+        return _pad_to(flat[self._length(name, start):self._length(name, start + n)], self._length(name, length))
+
+    def used(self, name: str, replica: int) -> int:
+        """How many entries of replica `replica`'s buffer `name` hold its shard (the rest pads it)."""
+        return self._length(name, self._window(name, self.layout.offset(replica))[2])
 
     def _elements(self, name: str) -> int:
-        """How many elements this replica's buffer `name` holds."""
+        """How many elements each replica's buffer `name` holds."""
+        if name in self.covers:  # the most any replica's shard needs of the variables it covers
+            offsets = [self.layout.offset(k) for k in range(self.replicas)] if self.is_shard(name) else [0]
+            return max(self._window(name, offset)[2] for offset in offsets)
         if self.is_shard(name):
             return self.shard
         return self.length if name == "sums" else self.size  # the sums add up join's gradients
+
+    def _window(self, name: str, offset: int) -> tuple[int, int, int]:
+        """Buffer `name`'s part of the elements a replica steps, [offset, offset + shard) (the whole buffer
+        when not sharded): where it starts among the buffer's elements, where among those, and how many.
+
+        A slot of 8-bit states covers some variables only (`covers`): elements [lo, hi) of the whole buffer, to
+        the end (the shards' padding too) when it covers the last variable.
+        """
+        first, last = self.covers.get(name, (0, len(self.spans)))
+        lo = sum(self.spans[:first])
+        hi = offset + self.shard if last == len(self.spans) else sum(self.spans[:last])
+        begin, end = max(lo, offset), min(hi, offset + self.shard)
+        return begin - lo, begin - offset, max(0, end - begin)
+
+    def _region(self, name: str) -> int:
+        """How many elements of the whole buffer `name` covers (its variables' spans)."""
+        first, last = self.covers.get(name, (0, len(self.spans)))
+        return sum(self.spans[first:last])
 
     def _length(self, name, elements: int) -> int:
         """How many entries of buffer `name` hold `elements` elements (8-bit scales: one per block)."""
@@ -405,21 +450,44 @@ class FlatBuffers:
         if clip_scale is not None:
             grad = grad * clip_scale
         index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer
-        if self.decayed:
+        start, end = self.decay
+        if end > start:
             # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
             decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
-            value = tf.where(index < self.decayed, decayed, value)
-        if self.missing:
-            keep = self._updated_mask(index)
-            # A variable's blocks are its own (self.block): a block's scale is kept with its elements.
-            per_block = getattr(self.rule, "per_block", ())
-            slots = tuple(_Masked(slot, keep[::self.block] if name in per_block else keep)
-                          for name, slot in zip(self.slot_names, slots))
-            new = tf.where(keep, self.rule.update(s, h, value, grad, slots), old)
-        else:
-            new = self.rule.update(s, h, value, grad, slots)
+            value = tf.where((index < end) & (index >= start) if start else index < end, decayed, value)
+        keep = self._updated_mask(index) if self.missing else None
+        views = {name: self._view(name, slot, offset, keep) for name, slot in zip(self.slot_names, slots)}
+        new = self._step(s, h, value, grad, views, offset)
+        if keep is not None:
+            new = tf.where(keep, new, old)
         iterations.assign_add(1)
         return self.layout.write(weights, new)
+
+    def _step(self, s, h, value, grad, views, offset):
+        """The rule's new weights for `value` (this replica's); 8-bit states with float32 ones for the small
+        variables step those (the shard's first elements) by Adam's rule, the rest by the 8-bit one."""
+        if not self.float32_names:
+            return self.rule.update(s, h, value, grad, tuple(views.values()))
+        kept = self._window(self.float32_names[0], offset)[2]
+        parts = []
+        if kept:
+            parts.append(fused._Adam.update(s, h, value[:kept], grad[:kept], [views[n] for n in self.float32_names]))
+        if kept < value.shape[0]:
+            slots = [v for n, v in views.items() if n not in self.float32_names]
+            parts.append(self.rule.update(s, h, value[kept:], grad[kept:], slots))
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+    def _view(self, name, slot, offset, keep):
+        """This replica's slot buffer `name` as the step reads and writes it: the entries its shard uses (a
+        slot of 8-bit states covers some variables only), and with `keep`, only where it is True."""
+        _, at, n = self._window(name, offset)
+        entries = self._length(name, n)
+        view = slot if entries == slot.shape[0] else _Prefix(slot, entries)
+        if keep is None:
+            return view
+        # A variable's blocks are its own (self.block): a block's scale is kept with its elements.
+        keep = keep[at:at + n]
+        return _Masked(view, keep[::self.block] if name in getattr(self.rule, "per_block", ()) else keep)
 
     def _updated_mask(self, index):
         """True on the elements (at buffer positions `index`) of variables that got a gradient.
@@ -574,7 +642,7 @@ class FlatBuffers:
                 parts = self._split_now[id(buffer)]
             else:
                 # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
-                flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self.size)]
+                flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self._region(name))]
                 parts = self._copy_plan(name).parts(flat)
                 if not isinstance(buffer, tf.Variable):
                     self._split_now[id(buffer)] = parts
@@ -588,7 +656,8 @@ class FlatBuffers:
         if name not in plans:
             pad = getattr(self.rule, "pads", {}).get(name, 0)
             shapes = [tuple(v.shape) for v in self.mirrors[name]]
-            plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans], pad,
+            first, last = self.covers.get(name, (0, len(self.spans)))
+            plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans[first:last]], pad,
                                     self.buffers[name].dtype)
         return plans[name]
 
@@ -621,7 +690,20 @@ class _CopyPlan:
             pieces.append(value if flat is None else tf.raw_ops.Reshape(tensor=value, shape=flat))
             if pad is not None:
                 pieces.append(pad)
-        return tf.raw_ops.ConcatV2(values=pieces, axis=self.axis)
+        return pieces[0] if len(pieces) == 1 else tf.raw_ops.ConcatV2(values=pieces, axis=self.axis)
+
+
+class _Prefix:
+    """The first `n` entries of a slot variable (a replica's buffer longer than its shard needs)."""
+
+    def __init__(self, variable, n):
+        self.variable, self.n = variable, n
+
+    def read_value(self):
+        return self.variable.read_value()[:self.n]
+
+    def assign(self, value):
+        return self.variable[:self.n].assign(value)  # in place
 
 
 class _Masked:

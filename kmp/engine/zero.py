@@ -48,10 +48,13 @@ process, each shard is summed on its owner's device.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import keras
 import tensorflow as tf
 
 from kmp import seams
+from kmp.distribute.same_start import same_start
 
 
 def host(strategy) -> str:
@@ -87,9 +90,17 @@ def whole_shards(buffers) -> dict:
     """
     local = buffers.strategy.experimental_local_results
     if not buffers.layout.across_workers:
-        return {n: tf.concat([b.read_value() for b in local(buffers.buffers[n])], axis=0)
-                for n in buffers.buffers if buffers.is_shard(n)}
-    return buffers.layout.gathered_slots()
+        shards = {n: [b.read_value() for b in local(buffers.buffers[n])] for n in buffers.buffers if buffers.is_shard(n)}
+    else:
+        shards = {n: tf.split(whole, buffers.replicas) for n, whole in buffers.layout.gathered_slots().items()}
+    # Each replica's entries that hold its shard: a slot of 8-bit states may cover some variables only.
+    return {n: tf.concat([_first(shard, buffers.used(n, k)) for k, shard in enumerate(parts)], axis=0)
+            for n, parts in shards.items()}
+
+
+def _first(tensor, n: int):
+    """The first `n` entries of `tensor` (itself when that is all of it: no op to run)."""
+    return tensor if n == tensor.shape[0] else tensor[:n]
 
 
 def all_gather_slots(buffers):
@@ -121,7 +132,9 @@ def to_replicas(variables, strategy) -> bool:
         value = variable.value
         if isinstance(value, tf.distribute.DistributedValues):
             continue
-        with tf.init_scope(), strategy.scope():
+        # 8-bit codes: MultiWorkerMirrored's broadcast of the initial value takes no uint8. Every worker's
+        # host copy holds the same, stored from the gathered shards (whole_shards), so none is needed.
+        with tf.init_scope(), strategy.scope(), same_start(strategy) if value.dtype == tf.uint8 else nullcontext():
             variable._value = tf.Variable(value.read_value(), trainable=False, name=value.name.split(":")[0],
                                           aggregation=value.aggregation)
         moved = True

@@ -28,7 +28,7 @@ from kmp.engine import engine
 from kmp.engine.prepare import flat_reason
 from kmp.errors import Problem, check
 from kmp.memory.estimate import (BLOCK_SIZE, CATEGORIES, KERAS_LOSS_SCALE_SCALARS, KMP_LOSS_SCALE_SCALARS,
-                                 OPTIMIZER_SCALARS, Bytes, Setup, optimizer_slots)
+                                 MIN_8BIT_SIZE, OPTIMIZER_SCALARS, Bytes, Setup, optimizer_slots)
 from kmp.scaling.eight_bit import states_of
 
 
@@ -64,6 +64,7 @@ def settings(model) -> Setup:
         other_sums=parameter_bytes * bool(inner.gradient_accumulation_steps),
         scalars=scalars + sum(_nbytes(v) for v in model.metrics_variables),
         sizes=tuple(_elements(v) for v in trainable), block_size=getattr(inner, "block_size", BLOCK_SIZE),
+        min_8bit_size=getattr(inner, "min_8bit_size", MIN_8BIT_SIZE),
         one_process=cpus_of_one_process(model.distribute_strategy))
 
 

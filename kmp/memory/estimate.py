@@ -67,6 +67,7 @@ from kmp.errors import ConfigError, Problem, check, did_you_mean
 STAGES = (0, 1)
 STATES = ("32bit", "8bit")
 BLOCK_SIZE = 256  # parameters per float32 scale of 8-bit states
+MIN_8BIT_SIZE = 4096  # 8-bit states: variables under this many elements keep float32 ones (kmp.scaling.eight_bit)
 # Elements every flat buffer and shard is a whole number of (kmp.engine.buffers): XLA:CPU vectorizes the
 # update's loop, which reads the learning rate at run time, only over a multiple of 8.
 ALIGN = 16
@@ -167,11 +168,13 @@ class Setup:
     scalars: int | None = None  # a model's optimizers' and metrics' scalars; None: those kmp.wrap builds
     sizes: tuple | None = None  # a model's trainable variables' element counts; None: one tensor of P
     block_size: int = BLOCK_SIZE  # elements per scale of 8-bit states
+    min_8bit_size: int = MIN_8BIT_SIZE  # 8-bit states: smaller variables keep float32 ones
     one_process: bool = False  # replicas that are CPUs of one process: the flat buffers in shards at any stage
 
 
 def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, replicas=None, stage=None, states=None,
-                    gradient_accumulation_steps=None, flat_buffers=None, block_size=None) -> MemoryEstimate:
+                    gradient_accumulation_steps=None, flat_buffers=None, block_size=None,
+                    min_8bit_size=None) -> MemoryEstimate:
     """Bytes per replica of weights, gradients, optimizer state, accumulators, flat copies and scalars.
 
     `model_or_parameters`: a parameter count (an int, "125M", "1.3B", "7e9"),
@@ -207,6 +210,8 @@ def memory_estimate(model_or_parameters, *, optimizer=None, precision=None, repl
         change["flat_buffers"] = flat_buffers
     if block_size is not None and values.int_in("block_size", block_size, 1, problems):
         change["block_size"] = block_size
+    if min_8bit_size is not None and values.int_in("min_8bit_size", min_8bit_size, 0, problems):
+        change["min_8bit_size"] = min_8bit_size
     setup = dataclasses.replace(setup, **{k: v for k, v in change.items() if v is not None})
     _check(setup, problems)
     check(problems, "kmp.memory_estimate arguments")
@@ -227,17 +232,28 @@ def _estimate(s: Setup) -> MemoryEstimate:
     flat_shards = s.flat_buffers and s.optimizer != "lamb" and n > 1
     moved = flat_shards and s.stage == 1
     sharded = moved or (flat_shards and s.one_process)
-    # The flat buffers: every variable starts on a block (8-bit states), the whole is padded to
-    # units of ALIGN elements and whole blocks, and a shard is a whole number of units (kmp.engine.buffers).
+    # The flat buffers: every variable starts on a block (8-bit states, except the variables that keep
+    # float32 ones, a run of their own first), the whole is padded to units of ALIGN elements and whole
+    # blocks, and a shard is a whole number of units (kmp.engine.buffers).
     block = s.block_size if s.states == "8bit" else 1
     unit = math.lcm(block, ALIGN)
-    flat_p = -(-sum(-(-k // block) * block for k in (s.sizes or (p,))) // unit) * unit
+    sizes = s.sizes or (p,)
+    kept = [k for k in sizes if s.states == "8bit" and k < s.min_8bit_size]
+    quantized = [k for k in sizes if not (s.states == "8bit" and k < s.min_8bit_size)]
+    kept_p = -(-sum(kept) // unit) * unit
+    flat_p = kept_p + -(-sum(-(-k // block) * block for k in quantized) // unit) * unit
     shard = -(-flat_p // (n * unit)) * unit if sharded else flat_p
     if s.states == "8bit":
-        # A byte per moment and a float32 scale per block of each variable.
-        blocks = sum(-(-k // s.block_size) for k in (s.sizes or (p,)))
-        state = s.slots * (p + 4 * blocks)
-        flat_state = s.slots * shard // s.block_size * (s.block_size + 4)
+        # A byte per moment and a float32 scale per block of each quantized variable; the others' moments as
+        # their weights. On the flat buffers, each replica's float32 and code buffers hold what its shard
+        # needs of each run (the most any replica's does).
+        blocks = sum(-(-k // s.block_size) for k in quantized)
+        state = s.slots * (sum(quantized) + 4 * blocks + s.parameter_bytes // p * sum(kept))
+        windows = [(k * shard, shard) for k in range(n)] if sharded else [(0, flat_p)]
+        held = {run: max(max(0, min(o + e if hi is None else hi, o + e) - max(lo, o)) for o, e in windows)
+                for run, lo, hi in (("kept", 0, kept_p if quantized else None), ("codes", kept_p, None))}
+        codes = held["codes"] if quantized else 0
+        flat_state = s.slots * (4 * held["kept"] * bool(kept) + codes + 4 * codes // s.block_size)
     else:
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.engine.buffers, weight_shards).

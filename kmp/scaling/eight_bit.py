@@ -42,6 +42,7 @@ from keras import ops
 
 from kmp.distribute.same_start import same_start
 from kmp.errors import Problem, check
+from kmp.memory.estimate import MIN_8BIT_SIZE
 from kmp.scaling import quantize
 
 STATES = ("32bit", "8bit")
@@ -50,25 +51,43 @@ STATES = ("32bit", "8bit")
 class _EightBitStates:
     """Adam's build and update_step with 8-bit moments (mixed into Keras's Adam and AdamW)."""
 
-    def __init__(self, *args, block_size=quantize.BLOCK_SIZE, **kwargs):
+    def __init__(self, *args, block_size=quantize.BLOCK_SIZE, min_8bit_size=MIN_8BIT_SIZE, **kwargs):
         problems = []
         if kwargs.get("amsgrad"):
             problems.append(Problem("amsgrad", "False (8-bit states keep no float32 velocity maximum)", True,
                                     "Use the 32-bit optimizer for amsgrad."))
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             problems.append(Problem("block_size", "an integer >= 1 (256 is the default)", block_size))
+        if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
+            problems.append(Problem("min_8bit_size", f"an integer >= 0 ({MIN_8BIT_SIZE} is the default; 0 quantizes "
+                                    "every variable)", min_8bit_size))
         check(problems, f"kmp.{type(self).__name__} arguments")
         super().__init__(*args, **kwargs)
         self.block_size = block_size
+        self.min_8bit_size = min_8bit_size
+
+    def quantizes(self, size: int) -> bool:
+        """Whether a variable of `size` elements keeps 8-bit moments (else Adam's float32 ones)."""
+        return size >= self.min_8bit_size
 
     def build(self, var_list):
         if self.built:
             return
         keras.optimizers.Optimizer.build(self, var_list)  # iterations, indices; not Adam's float32 slots
         self._moment_codes, self._moment_scales, self._velocity_codes, self._velocity_scales = [], [], [], []
+        # Adam's own float32 moments, for the variables under min_8bit_size (None for the others).
+        self._momentums, self._velocities = [], []
         strategy = self._distribution_strategy
         for variable in var_list:
             size = math.prod(variable.shape)
+            if not self.quantizes(size):
+                for states in (self._moment_codes, self._moment_scales, self._velocity_codes, self._velocity_scales):
+                    states.append(None)
+                self._momentums.append(self.add_variable_from_reference(variable, "momentum"))
+                self._velocities.append(self.add_variable_from_reference(variable, "velocity"))
+                continue
+            self._momentums.append(None)
+            self._velocities.append(None)
             blocks = -(-size // self.block_size)
             # Zero scales decode to exact zeros, whatever the codes: Adam's zero start.
             for codes, scales, name in ((self._moment_codes, self._moment_scales, "momentum"),
@@ -80,6 +99,8 @@ class _EightBitStates:
 
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
+        if self._moment_codes[index] is None:  # under min_8bit_size: Keras's Adam step on float32 moments
+            return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         # Flat, with its static length (an embedding's gradient made dense has none).
@@ -97,7 +118,10 @@ class _EightBitStates:
 
     def moments(self, variable) -> tuple[tf.Tensor, tf.Tensor]:
         """(m, v) of `variable` as float32, decoded (for inspection and tests)."""
-        m_codes, m_scales, r_codes, r_scales = (_read(s) for s in self._states(self._get_variable_index(variable)))
+        index = self._get_variable_index(variable)
+        if self._moment_codes[index] is None:
+            return ops.convert_to_tensor(self._momentums[index]), ops.convert_to_tensor(self._velocities[index])
+        m_codes, m_scales, r_codes, r_scales = (_read(s) for s in self._states(index))
         m = quantize.decode(m_codes, m_scales, True, self.block_size)
         r = quantize.decode(r_codes, r_scales, False, self.block_size)
         return ops.reshape(m, variable.shape), ops.reshape(ops.square(r), variable.shape)
@@ -108,7 +132,7 @@ class _EightBitStates:
                 self._velocity_codes[index], self._velocity_scales[index])
 
     def get_config(self):
-        return {**super().get_config(), "block_size": self.block_size}
+        return {**super().get_config(), "block_size": self.block_size, "min_8bit_size": self.min_8bit_size}
 
 
 def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon, block_size, local_step,
