@@ -126,15 +126,15 @@ def report(title: str, times: dict[str, list[float]], baseline: str) -> None:
         print(f"{name:{width}s} {median:15.1f} {spread:>14s} {median / base:7.2f}x")
 
 
-def alternating_steps(pair: dict, steps: int, warmup: int = 20) -> dict[object, list[float]]:
+def alternating_steps(models: dict, steps: int, warmup: int = 20) -> dict[object, list[float]]:
     """ms of single `model.train_function(iterator)` calls, the loss read back, for each
-    `key -> (model, iterator, ...)` of a pair, in alternation (the order flips each round),
-    so the drift of a shared machine hits both alike. The first `warmup` rounds are not kept."""
-    a, b = pair
-    times = {a: [], b: []}
+    `key -> (model, iterator, ...)` (a pair, or more), in alternation (the order flips each round),
+    so the drift of a shared machine hits them alike. The first `warmup` rounds are not kept."""
+    keys = list(models)
+    times = {key: [] for key in keys}
     for k in range(steps + warmup):
-        for key in (a, b) if k % 2 else (b, a):
-            model, iterator = pair[key][:2]
+        for key in keys if k % 2 else keys[::-1]:
+            model, iterator = models[key][:2]
             start = time.perf_counter()
             float(model.train_function(iterator)["loss"])
             if k >= warmup:

@@ -42,10 +42,16 @@ about one ulp per step, except where a sparse gradient's rows repeat: Keras
 squares them one by one, the buffers their sum (join says so; docs/engine.md).
 
 8-bit states (kmp.Adam8bit, kmp.AdamW8bit) are quantized by blocks of each
-variable: with them every variable starts on a block in every buffer (its
-span padded with zeros, `spans`), each moment is a uint8 buffer of codes and
-a float32 buffer of one scale per block, and ZeRO stage 1 shards by whole
-blocks, so a buffer's blocks are the Keras variables' blocks.
+variable: with them every quantized variable starts on a block in every
+buffer (its span padded with zeros, `spans`), each moment is a uint8 buffer
+of codes and a float32 buffer of one scale per block, and ZeRO stage 1
+shards by whole blocks, so a buffer's blocks are the Keras variables'
+blocks. The variables under the optimizer's min_8bit_size keep float32
+moments: they come first, one run (`kept` variables), stepped by Adam's
+rule, and their two float32 slot buffers cover that run only, as the code
+buffers cover the rest (`covers`). Sharded, a replica's shard may hold some
+of each run: each replica's buffer of a run is as long as the most any
+replica's shard needs of it, and its first entries are used (`_window`).
 
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
@@ -136,14 +142,15 @@ class FlatBuffers:
         self.rule = RULES[type(inner)]
         # 8-bit states: the variables under the optimizer's min_8bit_size keep Adam's float32 moments.
         kept = [hasattr(self.rule, "float32_slots") and not inner.quantizes(n) for n in sizes(trainable)]
-        # Those first, then the decayed ones: each set is then one run of the buffer, [0, kept) and [decay).
+        # Those first (the undecayed, then the decayed), then the other decayed ones: the variables with float32
+        # states are then one run of the buffer, and the decayed ones another, `decay`.
         group = [(0 if d else -1) if k else (1 if d else 2) for k, d in zip(kept, decays)]
         self.order = sorted(range(len(trainable)), key=group.__getitem__)
         self.variables = [trainable[i] for i in self.order]
         self.sizes = sizes(self.variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
-        # 8-bit states quantize by blocks of each variable (kmp.scaling.eight_bit): each variable then
-        # starts on a block, its span padded with zeros, so the buffer's blocks are the Keras ones.
+        # 8-bit states quantize by blocks of each variable (kmp.scaling.eight_bit): each quantized variable
+        # then starts on a block, its span padded with zeros, so the buffer's blocks are the Keras ones.
         self.block = inner.block_size if getattr(self.rule, "blocks", False) else 1
         self.kept = sum(kept)  # the variables with float32 states, first: not padded, as a run
         self.spans = [n if k < self.kept else -(-n // self.block) * self.block for k, n in enumerate(self.sizes)]
@@ -158,7 +165,7 @@ class FlatBuffers:
         before = [sum(g < k for g in group) for k in (0, 2)]  # the variables before the decayed, after them
         self.decay = tuple(sum(self.spans[:k]) for k in before)  # [start, end) in elements
         # The Keras variables each buffer mirrors, in buffer order; a slot buffer of 8-bit states covers the
-        # variables of its kind only (`variables`: [first, last) in buffer order).
+        # variables of its kind only (`covers`: [first, last) in buffer order).
         index = [inner._get_variable_index(v) for v in self.variables]
         self.float32_names = ()
         self.covers = {}
@@ -642,7 +649,8 @@ class FlatBuffers:
                 parts = self._split_now[id(buffer)]
             else:
                 # A variable, or a sharded buffer gathered whole; either can be zero padded at the end.
-                flat = (buffer.value() if isinstance(buffer, tf.Variable) else buffer)[:self._length(name, self._region(name))]
+                flat = buffer.value() if isinstance(buffer, tf.Variable) else buffer
+                flat = flat[:self._length(name, self._region(name))]
                 parts = self._copy_plan(name).parts(flat)
                 if not isinstance(buffer, tf.Variable):
                     self._split_now[id(buffer)] = parts

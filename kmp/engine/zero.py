@@ -90,7 +90,8 @@ def whole_shards(buffers) -> dict:
     """
     local = buffers.strategy.experimental_local_results
     if not buffers.layout.across_workers:
-        shards = {n: [b.read_value() for b in local(buffers.buffers[n])] for n in buffers.buffers if buffers.is_shard(n)}
+        shards = {n: [b.read_value() for b in local(buffers.buffers[n])]
+                  for n in buffers.buffers if buffers.is_shard(n)}
     else:
         shards = {n: tf.split(whole, buffers.replicas) for n, whole in buffers.layout.gathered_slots().items()}
     # Each replica's entries that hold its shard: a slot of 8-bit states may cover some variables only.

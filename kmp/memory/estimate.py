@@ -46,10 +46,10 @@ a replica device holds k*4*ceil(P/N) of optimizer state, as in DeepSpeed,
 and the host k*P*b more. 8-bit states (kmp.scaling.eight_bit) in bitsandbytes' layout
 (bitsandbytes-foundation/bitsandbytes bitsandbytes/optim/optimizer.py at
 95f9af30: uint8 moments, one float32 absmax per block of 256; 2048 before
-aa57bd89, 2024), in blocks per variable; kmp quantizes every variable
-(bitsandbytes keeps 32-bit states for tensors under 4096 elements). The
-flat buffers keep the same blocks (kmp.engine.buffers aligns each variable to one),
-and stage 1 shards them by whole blocks.
+aa57bd89, 2024), in blocks per variable; as there, variables under
+`min_8bit_size` (4096) elements keep 32-bit states. The flat buffers keep
+the same blocks (kmp.engine.buffers aligns each quantized variable to one,
+after a run of the float32 ones), and stage 1 shards them by whole blocks.
 """
 
 from __future__ import annotations

@@ -21,10 +21,14 @@ divides by sqrt(v) anyway):
 
 The new scales bound the new moments before they are computed (adam_update),
 so the moments are decoded, updated and encoded in one pass over the
-elements (the gradient's block maxima take one more). Every variable is quantized,
-its blocks its own. On kmp.prepare's flat buffers the same update runs on
-whole buffers of codes and scales (kmp.engine.rules.EightBitAdam;
-kmp.engine.buffers starts each variable on a block, so the blocks are these),
+elements (the gradient's block maxima take one more). Each variable's blocks
+are its own. As bitsandbytes does, variables under `min_8bit_size` elements
+(4096) keep Adam's float32 moments and Keras's Adam step: their states are a
+small part of a model's, and an output layer's and the biases' are the ones
+accuracy can hinge on (benchmarks/RESULTS.md, the demo). On kmp.prepare's
+flat buffers the same update runs on whole buffers of codes and scales
+(kmp.engine.rules.EightBitAdam; kmp.engine.buffers starts each variable on a
+block, so the blocks are these; the float32 moments are a run of their own),
 and ZeRO stage 1 shards them by whole blocks. kmp's per-variable fused update
 (kmp.engine.fused) is for float32 states: without the flat buffers this
 class's update_step runs. `amsgrad` is not offered.
