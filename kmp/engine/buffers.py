@@ -472,7 +472,10 @@ class FlatBuffers:
 
     def _step(self, s, h, value, grad, views, offset):
         """The rule's new weights for `value` (this replica's); 8-bit states with float32 ones for the small
-        variables step those (the shard's first elements) by Adam's rule, the rest by the 8-bit one."""
+        variables step those (the shard's first elements) by Adam's rule, the rest by the 8-bit one.
+
+        XLA on CPU writes the two parts' joined weights apart and copies them into the variable; the
+        variants tried in place were slower (benchmarks/RESULTS.md, the 8-bit step)."""
         if not self.float32_names:
             return self.rule.update(s, h, value, grad, tuple(views.values()))
         kept = self._window(self.float32_names[0], offset)[2]
