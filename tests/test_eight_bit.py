@@ -285,20 +285,25 @@ def test_whole_step_xla_on_one_device():
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
-@pytest.mark.parametrize("policy, replicas", [("float32", 1), ("mixed_float16", 2)])
-def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(policy, replicas, two_replicas):
+def _both_paths(policy, strategy, **settings):
+    """((model, losses) per variable, (model, losses) on the flat buffers): AdamW8bit(**settings), 2 epochs, on
+    `strategy` (None: one device) at ZeRO stage 1 where there are two replicas."""
     keras.config.set_dtype_policy(policy)
-    strategy = two_replicas if replicas == 2 else None
+    replicas = strategy.num_replicas_in_sync if strategy else 1
     x, y = _problem(rows=128)
-    runs = {}
+    runs = []
     for flat in (False, True):
         with strategy.scope() if strategy else keras.name_scope("one"):
-            optimizer = kmp.LossScaleOptimizer(AdamW8bit(3e-3, weight_decay=0.01, min_8bit_size=0),
-                                               zero_stage=replicas - 1)
+            optimizer = kmp.LossScaleOptimizer(AdamW8bit(3e-3, weight_decay=0.01, **settings), zero_stage=replicas - 1)
         model = kmp.prepare(_model(optimizer, strategy), flat_buffers=flat)
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        runs[flat] = model
-    plain, flat = runs[False], runs[True]
+        runs.append((model, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]))
+    return runs
+
+
+@pytest.mark.parametrize("policy, replicas", [("float32", 1), ("mixed_float16", 2)])
+def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(policy, replicas, two_replicas):
+    strategy = two_replicas if replicas == 2 else None
+    (plain, _), (flat, _) = _both_paths(policy, strategy, min_8bit_size=0)
     buffers = engine.engine_of(flat).buffers
     # Each variable padded to whole blocks of 256: 6000 + 300 + 900 + 3 -> 6144 + 512 + 1024 + 256.
     assert engine.engine_of(plain) is None and buffers.size == 7936 and buffers.layout.sharded == (replicas == 2)
@@ -349,16 +354,8 @@ def test_the_flat_buffers_keep_float32_states_for_small_variables_in_a_run_of_th
     """Under min_8bit_size (4096 by default) the output layer (900) and the biases keep Adam's float32 moments on
     the flat buffers too: they come first, unpadded, in two float32 buffers; the codes cover the other variable.
     Sharded, each replica's buffers hold what its shard needs of each run."""
-    keras.config.set_dtype_policy(policy)
     strategy = two_replicas if replicas == 2 else None
-    x, y = _problem(rows=128)
-    runs = {}
-    for flat in (False, True):
-        with strategy.scope() if strategy else keras.name_scope("one"):
-            optimizer = kmp.LossScaleOptimizer(AdamW8bit(3e-3, weight_decay=0.01), zero_stage=replicas - 1)
-        model = kmp.prepare(_model(optimizer, strategy), flat_buffers=flat)
-        runs[flat] = model, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
-    (plain, plain_loss), (flat, flat_loss) = runs[False], runs[True]
+    (plain, plain_loss), (flat, flat_loss) = _both_paths(policy, strategy)
     buffers = engine.engine_of(flat).buffers
     # 300 + 900 + 3 elements, padded once to 1280; then the kernel's 6000, padded to 24 blocks.
     assert [math.prod(v.shape) for v in buffers.variables] == [300, 900, 3, 6000] and buffers.size == 1280 + 6144
