@@ -363,10 +363,13 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
       second epoch;
     - `eight_bit`: kmp.Adam8bit trained two epochs on the per-variable path,
       the flat buffers, and the flat buffers at stage 1 (its uint8 states are
-      made without TensorFlow's broadcast: kmp.distribute.same_start).
+      made without TensorFlow's broadcast: kmp.distribute.same_start);
+    - `eight_bit_per_variable_again`: the stage 1 model trained on per variable
+      after that, its slots mirrored again.
     """
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import kmp
     import kmp.engine.engine
@@ -433,6 +436,13 @@ def zero_stage1(strategy, directory, one_device_dir) -> dict:
             "optimizer": [v.numpy().tolist() for v in model.optimizer.variables],
             "engine": None if engine is None else ("sharded" if engine.buffers.layout.sharded else "whole"),
             "skipped_steps": int(model.optimizer.skipped_steps.numpy())}
+    # Back to the per-variable update after stage 1's flat buffers: Keras's slots, the 8-bit codes among them,
+    # mirrored over the workers again (kmp.engine.zero.to_replicas; TensorFlow's broadcast takes no uint8).
+    history = kmp.prepare(model, flat_buffers=False).fit(make_dataset(x, y), epochs=1, verbose=0, shuffle=False)
+    out["eight_bit_per_variable_again"] = {
+        "loss": history.history["loss"],
+        "codes_mirrored": [isinstance(v.value, tf.distribute.DistributedValues) for v in model.optimizer.variables
+                           if v.dtype == "uint8"]}
     return out
 
 

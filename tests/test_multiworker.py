@@ -450,3 +450,8 @@ def test_adam8bit_trains_across_workers_on_every_path(workers):
     for a, b in zip(sharded["weights"], flat["weights"], strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(sharded["loss"], flat["loss"], rtol=1e-6)
+    # Then per variable again: the codes mirrored over the workers again, without a broadcast of uint8.
+    again = workers[0]["zero_stage1"]["eight_bit_per_variable_again"]
+    assert again == workers[1]["zero_stage1"]["eight_bit_per_variable_again"]
+    assert again["codes_mirrored"] and all(again["codes_mirrored"])
+    assert np.isfinite(again["loss"]).all()
