@@ -475,7 +475,8 @@ class FlatBuffers:
         variables step those (the shard's first elements) by Adam's rule, the rest by the 8-bit one.
 
         XLA on CPU writes the two parts' joined weights apart and copies them into the variable; the
-        variants tried in place were slower (benchmarks/RESULTS.md, the 8-bit step)."""
+        variants tried in place were slower. Weights and a gradient of their own for the float32 run
+        would not be (benchmarks/eight_bit_split_update.py; RESULTS.md, the 8-bit step)."""
         if not self.float32_names:
             return self.rule.update(s, h, value, grad, tuple(views.values()))
         kept = self._window(self.float32_names[0], offset)[2]
