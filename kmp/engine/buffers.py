@@ -430,15 +430,19 @@ class FlatBuffers:
         A slot of 8-bit states covers some variables only (`covers`): elements [lo, hi) of the whole buffer, to
         the end (the shards' padding too) when it covers the last variable.
         """
-        first, last = self.covers.get(name, (0, len(self.spans)))
+        first, last = self._covered(name)
         lo = sum(self.spans[:first])
         hi = offset + self.shard if last == len(self.spans) else sum(self.spans[:last])
         begin, end = max(lo, offset), min(hi, offset + self.shard)
         return begin - lo, begin - offset, max(0, end - begin)
 
+    def _covered(self, name: str) -> tuple[int, int]:
+        """[first, last) of the variables (buffer order) buffer `name` holds: all, but for 8-bit states' slots."""
+        return self.covers.get(name, (0, len(self.spans)))
+
     def _region(self, name: str) -> int:
         """How many elements of the whole buffer `name` covers (its variables' spans)."""
-        first, last = self.covers.get(name, (0, len(self.spans)))
+        first, last = self._covered(name)
         return sum(self.spans[first:last])
 
     def _length(self, name, elements: int) -> int:
@@ -668,7 +672,7 @@ class FlatBuffers:
         if name not in plans:
             pad = getattr(self.rule, "pads", {}).get(name, 0)
             shapes = [tuple(v.shape) for v in self.mirrors[name]]
-            first, last = self.covers.get(name, (0, len(self.spans)))
+            first, last = self._covered(name)
             plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans[first:last]], pad,
                                     self.buffers[name].dtype)
         return plans[name]
