@@ -199,6 +199,22 @@ def test_compiled_the_update_writes_no_float_buffer_but_the_step():
     assert len(float_arrays) == 1, float_arrays  # the step
 
 
+def test_compiled_with_a_kept_run_the_flat_update_steps_every_buffer_in_place():
+    """With float32 states for the small variables (min_8bit_size), the flat update writes each buffer in place:
+    the 8-bit rule steps the whole weights buffer and Adam's the kept run's own. One buffer for both, joined
+    out of the two rules, made XLA on CPU copy the whole weights each step (benchmarks/RESULTS.md)."""
+    x, y = _problem(rows=32)
+    model = kmp.prepare(_model(kmp.LossScaleOptimizer(AdamW8bit(1e-3, weight_decay=0.01))), flat_buffers=True)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    buffers = engine.engine_of(model).buffers
+    grad = tf.random.normal([buffers.length], seed=2)
+    hlo = buffers._compiled_update().experimental_get_compiler_ir(grad, tf.constant(1e-3), None)(stage="optimized_hlo")
+    entry = hlo[hlo.index("ENTRY"):]
+    copies = [line for line in entry.splitlines() if " copy(" in line and f"f32[{buffers.size}]" in line]
+    assert not copies, copies
+    assert buffers.apart and buffers.kept == 3  # the two biases and the 900-element output kernel, below 4096
+
+
 def test_it_learns_as_adam_does():
     x, y = _problem(rows=512)
     losses = {}
@@ -352,19 +368,21 @@ def test_the_flat_buffers_keep_the_same_8bit_states_and_shard_them_at_stage_1(po
 def test_the_flat_buffers_keep_float32_states_for_small_variables_in_a_run_of_their_own(policy, replicas,
                                                                                        two_replicas):
     """Under min_8bit_size (4096 by default) the output layer (900) and the biases keep Adam's float32 moments on
-    the flat buffers too: they come first, unpadded, in two float32 buffers; the codes cover the other variable.
-    Sharded, each replica's buffers hold what its shard needs of each run."""
+    the flat buffers too: they come first, unpadded, in two float32 buffers, and their weights in a third; the
+    codes cover every element (the kept run's are scratch). Sharded, each replica's float32 buffers hold what
+    its shard needs of the kept run."""
     strategy = two_replicas if replicas == 2 else None
     (plain, plain_loss), (flat, flat_loss) = _both_paths(policy, strategy)
     buffers = engine.engine_of(flat).buffers
     # 300 + 900 + 3 elements, padded once to 1280; then the kernel's 6000, padded to 24 blocks.
     assert [math.prod(v.shape) for v in buffers.variables] == [300, 900, 3, 6000] and buffers.size == 1280 + 6144
-    # Sharded: 3840 elements each; the first replica's shard holds the float32 run and 10 blocks of codes, the
+    # Sharded: 3840 elements each; the first replica's shard holds the float32 run (and 10 blocks of codes), the
     # second 15 blocks (the last one padding).
-    kept, codes = (1280, 3840) if replicas == 2 else (1280, 6144)
-    expected = {"momentum": kept, "velocity": kept, "momentum_codes": codes, "velocity_codes": codes,
-                "momentum_scales": codes // 256, "velocity_scales": codes // 256}
+    kept, codes = (1280, 3840) if replicas == 2 else (1280, 7424)
+    expected = {"kept_weights": kept, "momentum": kept, "velocity": kept, "momentum_codes": codes,
+                "velocity_codes": codes, "momentum_scales": codes // 256, "velocity_scales": codes // 256}
     assert {n: b.shape[0] for n, b in buffers.buffers.items() if n != "weights"} == expected
+    assert buffers.apart and buffers.mirrors["kept_weights"] == buffers.variables[:3]
     # The kept moments are Keras's float32 variables, stored from the buffers: Adam's, as on the per-variable path
     # (apart from what the 8-bit kernel's codes, an ulp apart between the paths, change in the loss).
     np.testing.assert_allclose(flat_loss, plain_loss, rtol=1e-4)
@@ -381,7 +399,7 @@ def test_the_flat_buffers_keep_float32_states_for_small_variables_in_a_run_of_th
     # What each replica device holds is what kmp.memory_estimate counts, byte for byte.
     estimate = kmp.memory_estimate(flat)
     shard = 3840 if replicas == 2 else 7424
-    assert estimate.flat_copies == 4 * shard + 2 * (4 * kept + codes + 4 * codes // 256)
+    assert estimate.flat_copies == 4 * (shard + kept) + 2 * (4 * kept + codes + 4 * codes // 256)
     for device, allocated in kmp.measured_bytes(flat).items():
         host = estimate.host if device == zero.host(flat.distribute_strategy) else 0
         assert allocated == dataclasses.replace(estimate.in_variables(), optimizer_state=allocated.optimizer_state)

@@ -81,13 +81,14 @@ def test_stage_1_trains_as_stage_0(two_replicas, request, optimizer, epochs, wra
     # and two shards of 96. In blocks of 8 (8-bit states) each variable is padded
     # to whole blocks first, except the variables that keep float32 states (min_8bit_size): their 65
     # elements come first, padded to 80; then the kernel's 96 and the same shards. One scale per block;
-    # the float32 slots cover the first run only, which the first shard holds.
+    # the float32 slots and the kept run's own weights cover the first run only, which the first shard holds.
     size, shard = 176, 96
-    kept = {"momentum": 80, "velocity": 80} if optimizer == "adamw8bit" else {}
+    kept = {"momentum": 80, "velocity": 80, "kept_weights": 80} if optimizer == "adamw8bit" else {}
+    assert set(kept) <= set(buffers.buffers)
     # Replicas of one process (logical CPUs) hold the weights in shards too (kmp.engine.buffers, weight_shards).
     assert buffers.layout.name == "shared shards"
     for name, variable in buffers.buffers.items():
-        in_shards = name in buffers.slot_names or name == "weights"
+        in_shards = name in buffers.slot_names or name in ("weights", "kept_weights")
         # The sums add up the flat gradient, zero padded to two whole shards (kmp.engine.buffers, `length`).
         whole_length = 2 * shard if name == "sums" else size
         expected = ([whole_length] if not in_shards else [shard // 8] if "scales" in name else

@@ -169,15 +169,21 @@ class FlatBuffers:
         index = [inner._get_variable_index(v) for v in self.variables]
         self.float32_names = ()
         self.covers = {}
+        self.scratch = {}  # buffer name -> its first mirrored variable: the elements before it are scratch (`apart`)
         if isinstance(inner, keras.optimizers.SGD):
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
         elif hasattr(self.rule, "float32_slots"):
+            # The float32 moments cover the kept run only; the codes cover every element, so that the 8-bit
+            # rule steps whole buffers in place, but mirror the quantized variables only (the kept run's codes
+            # are scratch, never read).
             slots = {}
-            kinds = ((self.rule.float32_slots, 0, self.kept), (self.rule.slots, self.kept, len(index)))
-            for names, start, end in kinds:
-                for name, attribute in names if end > start else ():
-                    slots[name] = [getattr(inner, attribute)[i] for i in index[start:end]]
-                    self.covers[name] = (start, end)
+            for name, attribute in self.rule.float32_slots if self.kept else ():
+                slots[name] = [getattr(inner, attribute)[i] for i in index[:self.kept]]
+                self.covers[name] = (0, self.kept)
+            for name, attribute in self.rule.slots if self.kept < len(index) else ():
+                slots[name] = [getattr(inner, attribute)[i] for i in index[self.kept:]]
+                if self.kept:
+                    self.scratch[name] = self.kept
             self.float32_names = tuple(n for n, _ in self.rule.float32_slots if n in slots)
         else:
             slots = {name: [getattr(inner, attribute)[i] for i in index]
@@ -190,6 +196,16 @@ class FlatBuffers:
         self.hyper = {name: getattr(inner, name) for name in HYPERPARAMETERS[type(inner)] + ("weight_decay",)}
         self.replicas = self.strategy.num_replicas_in_sync
         self.layout = layout.choose(self, optimizer, self.strategy, getattr(self.rule, "per_variable", False))
+        # Both kinds of states, on buffers stepped in place: the kept run's weights in a buffer of their own,
+        # stepped by Adam's rule, while the 8-bit rule steps the whole weights buffer, whose kept run is then
+        # scratch. One buffer for both would be joined out of two rules, and XLA on CPU writes that join
+        # apart and copies it into the variable (benchmarks/eight_bit_split_update.py).
+        self.apart = bool(self.scratch) and self.layout.in_place
+        if self.apart:
+            self.mirrors["kept_weights"] = self.variables[:self.kept]
+            self.mirrors["weights"] = self.variables[self.kept:]
+            self.covers["kept_weights"] = (0, self.kept)
+            self.scratch["weights"] = self.kept
         # `length`: the flat gradient (and the accumulation sums), zero padded to N whole shards when sharded.
         self.shard, self.length = self.layout.sizes(self.size, self.unit, self.replicas)
         self.place_slots(on_host=True)
@@ -233,19 +249,32 @@ class FlatBuffers:
 
     def read_weights(self):
         """This replica's flat weights as its forward pass reads them (split takes either): a
-        tensor, or, in the SharedShards layout, every replica's shard (a tuple)."""
+        tensor, or, in the SharedShards layout, every replica's shard (a tuple); with the kept run
+        `apart`, a dict of both buffers' (weights, kept_weights)."""
+        if self.apart:
+            return {name: self.layout.read_weights(name) for name in ("weights", "kept_weights")}
         return self.layout.read_weights()
 
     def split(self, flat) -> list:
-        """`flat` (a tensor, or read_weights()'s shards) as one tensor per trainable variable, in
+        """`flat` (read_weights()'s, or one whole flat tensor) as one tensor per trainable variable, in
         `model.trainable_variables` order. Inside XLA, joining the shards copies nothing: each
         variable's slice is taken from the shard that holds it."""
-        if isinstance(flat, tuple):
-            flat = tf.concat(flat, axis=0)[:self.size]
+        if isinstance(flat, dict):  # the kept run's weights from their own buffer; the scratch run not read
+            parts = self._parts(self._whole(flat["kept_weights"], "kept_weights"), self.kept)
+            parts += self._parts(self._whole(flat["weights"], "weights"))[self.kept:]
+        else:
+            parts = self._parts(self._whole(flat, "weights"))
         out = [None] * len(self.sizes)
-        for position, part in zip(self.order, self._parts(flat)):
+        for position, part in zip(self.order, parts):
             out[position] = part
         return out
+
+    def _whole(self, flat, name: str):
+        """Buffer `name`'s whole elements from read_weights()'s (a tensor, or every replica's shard)."""
+        if not isinstance(flat, tuple):
+            return flat
+        return tf.concat([zero.first_entries(shard, self.used(name, k)) for k, shard in enumerate(flat)], axis=0)[
+            :self._region(name)]
 
     @tf.autograph.experimental.do_not_convert
     def join(self, grads, scale) -> tf.Tensor:
@@ -393,9 +422,10 @@ class FlatBuffers:
             iterations = _tf_variable(self.inner._iterations)
             # With one update, called in cross-replica context (update_once): the first replica's.
             iterations = self._first(iterations) if self.layout.first_only("iterations") else fused._local(iterations)
+            kept_weights = self.local("kept_weights") if self.apart else None
             self._updates[replica] = tf.function(
-                functools.partial(self._update, self.local("weights"), tuple(self.local(n) for n in self.slot_names),
-                                  iterations, self._offset(replica)),
+                functools.partial(self._update, self.local("weights"), kept_weights,
+                                  tuple(self.local(n) for n in self.slot_names), iterations, self._offset(replica)),
                 jit_compile=True, autograph=False)
         return self._updates[replica]
 
@@ -449,7 +479,7 @@ class FlatBuffers:
         """How many entries of buffer `name` hold `elements` elements (8-bit scales: one per block)."""
         return elements // self.block if name in getattr(self.rule, "per_block", ()) else elements
 
-    def _update(self, weights, slots, iterations, offset, grad, learning_rate, clip_scale=None):
+    def _update(self, weights, kept_weights, slots, iterations, offset, grad, learning_rate, clip_scale=None):
         h = self.hyper
         step = iterations.read_value()
         s = self.rule.scalars(h, learning_rate, tf.cast(step + 1, tf.float32), tf.float32)
@@ -457,40 +487,43 @@ class FlatBuffers:
         if getattr(self.rule, "per_variable", False):
             s["segments"] = fused._local(self.segment_ids).read_value()
             s["count"] = len(self.sizes)
-        value = old = self.layout.stepped(weights, offset)
+        value = self.layout.stepped(weights, offset)
         if clip_scale is not None:
             grad = grad * clip_scale
         index = tf.range(offset, offset + value.shape[0])  # each element's place in the whole buffer
-        start, end = self.decay
-        if end > start:
-            # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
-            decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * learning_rate
-            value = tf.where((index < end) & (index >= start) if start else index < end, decayed, value)
         keep = self._updated_mask(index) if self.missing else None
         views = {name: self._view(name, slot, offset, keep) for name, slot in zip(self.slot_names, slots)}
-        new = self._step(s, h, value, grad, views, offset)
-        if keep is not None:
-            new = tf.where(keep, new, old)
+        # 8-bit states with float32 ones for the small variables: those (the shard's first `kept` elements)
+        # step by Adam's rule, and every element by the 8-bit one, whose result for them is scratch.
+        kept = self._window(self.float32_names[0], offset)[2] if self.float32_names else 0
+        float32 = [views.pop(n) for n in self.float32_names]
+        if float32 and self.kept == len(self.spans):  # no variable quantized: Adam's rule alone, on every element
+            rule, rule_slots, kept = fused._Adam, float32, 0
+        else:
+            rule, rule_slots = self.rule, tuple(views.values())
+        new = self._stepped(rule, s, h, value, grad, rule_slots, index, keep)
+        if kept:
+            run = (_Prefix(kept_weights, kept) if kept < kept_weights.shape[0] else kept_weights) if self.apart else None
+            kept_new = self._stepped(fused._Adam, s, h, run.read_value() if self.apart else value[:kept], grad[:kept],
+                                     float32, index[:kept], None if keep is None else keep[:kept])
+            if self.apart:
+                run.assign(kept_new)
+            else:  # the new weights are a tensor of their own here (GatheredShards: gathered, not written in place)
+                new = tf.concat([kept_new, new[kept:]], axis=0)
         iterations.assign_add(1)
         return self.layout.write(weights, new)
 
-    def _step(self, s, h, value, grad, views, offset):
-        """The rule's new weights for `value` (this replica's); 8-bit states with float32 ones for the small
-        variables step those (the shard's first elements) by Adam's rule, the rest by the 8-bit one.
-
-        XLA on CPU writes the two parts' joined weights apart and copies them into the variable; the
-        variants tried in place were slower. Weights and a gradient of their own for the float32 run
-        would not be (benchmarks/eight_bit_split_update.py; RESULTS.md, the 8-bit step)."""
-        if not self.float32_names:
-            return self.rule.update(s, h, value, grad, tuple(views.values()))
-        kept = self._window(self.float32_names[0], offset)[2]
-        parts = []
-        if kept:
-            parts.append(fused._Adam.update(s, h, value[:kept], grad[:kept], [views[n] for n in self.float32_names]))
-        if kept < value.shape[0]:
-            slots = [v for n, v in views.items() if n not in self.float32_names]
-            parts.append(self.rule.update(s, h, value[kept:], grad[kept:], slots))
-        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    def _stepped(self, rule, s, h, value, grad, slots, index, keep):
+        """`rule`'s new weights for `value`, the elements at buffer positions `index`: weight decay, the step,
+        and the old weights kept where `keep` is False."""
+        old = value
+        start, end = self.decay
+        if end > start:
+            # Keras (TF backend): variable.assign_sub(variable * wd * lr), before the step.
+            decayed = value - value * tf.constant(h["weight_decay"], tf.float32) * s["lr"]
+            value = tf.where((index < end) & (index >= start) if start else index < end, decayed, value)
+        new = rule.update(s, h, value, grad, slots)
+        return new if keep is None else tf.where(keep, new, old)
 
     def _view(self, name, slot, offset, keep):
         """This replica's slot buffer `name` as the step reads and writes it: the entries its shard uses (a
@@ -573,11 +606,12 @@ class FlatBuffers:
         for position, variable in zip(self.order, self.variables):
             fused._local(variable).assign(values[position])
 
-    def _parts(self, flat):
-        """The whole weights as one tensor per variable, in buffer order (traced: split's)."""
+    def _parts(self, flat, last=None):
+        """The whole weights (of the first `last` variables: all by default) as one tensor per variable, in
+        buffer order (traced: split's)."""
         # One split into each variable and each padding after it: no slice per variable.
         pieces, keep = [], []
-        for span, n in zip(self.spans, self.sizes):
+        for span, n in zip(self.spans[:last], self.sizes[:last]):
             keep.append(len(pieces))
             pieces += [n, span - n] if span > n else [n]
         parts = tf.split(flat, pieces)
@@ -673,19 +707,24 @@ class FlatBuffers:
             pad = getattr(self.rule, "pads", {}).get(name, 0)
             shapes = [tuple(v.shape) for v in self.mirrors[name]]
             first, last = self._covered(name)
-            plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans[first:last]], pad,
-                                    self.buffers[name].dtype)
+            mirrored = self.scratch.get(name, first)  # the variables before it are scratch: zeros, never stored
+            plans[name] = _CopyPlan(shapes, [self._length(name, span) for span in self.spans[mirrored:last]], pad,
+                                    self.buffers[name].dtype, self._length(name, sum(self.spans[first:mirrored])))
         return plans[name]
 
 
 class _CopyPlan:
     """One buffer split into its variables' values and joined back, as bare ops whose shapes and paddings
     are made once: the copies between fit() calls run a few hundred ops per replica, and eagerly each op's
-    Python counts. The traced load (_copy) takes the same ops."""
+    Python counts. The traced load (_copy) takes the same ops. The first `scratch` entries are no variable's
+    (FlatBuffers.scratch): joined as `pad`, dropped when split."""
 
-    def __init__(self, shapes, spans, pad, dtype):
+    def __init__(self, shapes, spans, pad, dtype, scratch=0):
         pieces, self.wanted, self.flat, self.pads = [], [], [], []
         with tf.init_scope():
+            self.lead = tf.fill((scratch,), tf.constant(pad, dtype)) if scratch else None
+            if scratch:
+                pieces.append(scratch)
             for shape, n, span in zip(shapes, sizes(shapes), spans):
                 # Each variable's piece (reshaped unless 1-D), then its padding, if any.
                 self.wanted.append((len(pieces), None if len(shape) == 1 else _shape_tensor(shape)))
@@ -701,7 +740,7 @@ class _CopyPlan:
                 for k, shape in self.wanted]
 
     def joined(self, values):
-        pieces = []
+        pieces = [] if self.lead is None else [self.lead]
         for value, flat, pad in zip(values, self.flat, self.pads):
             pieces.append(value if flat is None else tf.raw_ops.Reshape(tensor=value, shape=flat))
             if pad is not None:

@@ -58,6 +58,7 @@ class Whole:
     slots_on_host = False  # ZeRO stage 1: Keras's slot copy held once, in host memory (kmp.engine.zero)
     across_workers = False  # other workers hold some shards: gathering them is a collective
     shares_cores = False  # the replicas are CPUs of one process
+    in_place = True  # the update writes its new weights into the weight buffers (else returns them: `write`)
 
     def __init__(self, buffers):
         self.buffers = buffers
@@ -78,10 +79,10 @@ class Whole:
         """Whether every replica reads the first replica's buffer `name` (or Keras's `iterations`)."""
         return False
 
-    def read_weights(self):
-        """This replica's flat weights as its forward pass reads them (buffers.split takes either): a
-        tensor, or every replica's shard (a tuple)."""
-        return self.buffers.local("weights").read_value()
+    def read_weights(self, name: str = "weights"):
+        """This replica's flat weights (buffer `name`) as its forward pass reads them (buffers.split takes
+        either): a tensor, or every replica's shard (a tuple)."""
+        return self.buffers.local(name).read_value()
 
     def stepped(self, weights, offset: int):
         """The weights this replica's update steps: all of its buffer, or the shard at `offset`."""
@@ -200,11 +201,11 @@ class SharedShards(_Shards):
         self.slots_on_host = slots_on_host
 
     def holds_shard(self, name: str) -> bool:
-        return name == "weights" or super().holds_shard(name)
+        return name in ("weights", "kept_weights") or super().holds_shard(name)
 
-    def read_weights(self):
+    def read_weights(self, name: str = "weights"):
         local = self.buffers.strategy.experimental_local_results
-        return tuple(w.read_value() for w in local(self.buffers.buffers["weights"]))
+        return tuple(w.read_value() for w in local(self.buffers.buffers[name]))
 
 
 class GatheredShards(_Shards):
@@ -213,6 +214,7 @@ class GatheredShards(_Shards):
 
     name = "gathered shards"
     slots_on_host = True
+    in_place = False
 
     def __init__(self, buffers, across_workers: bool):
         super().__init__(buffers)

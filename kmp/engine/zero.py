@@ -95,11 +95,11 @@ def whole_shards(buffers) -> dict:
     else:
         shards = {n: tf.split(whole, buffers.replicas) for n, whole in buffers.layout.gathered_slots().items()}
     # Each replica's entries that hold its shard: a slot of 8-bit states may cover some variables only.
-    return {n: tf.concat([_first(shard, buffers.used(n, k)) for k, shard in enumerate(parts)], axis=0)
+    return {n: tf.concat([first_entries(shard, buffers.used(n, k)) for k, shard in enumerate(parts)], axis=0)
             for n, parts in shards.items()}
 
 
-def _first(tensor, n: int):
+def first_entries(tensor, n: int):
     """The first `n` entries of `tensor` (itself when that is all of it: no op to run)."""
     return tensor if n == tensor.shape[0] else tensor[:n]
 

@@ -243,21 +243,23 @@ def _estimate(s: Setup) -> MemoryEstimate:
     kept_p = -(-sum(kept) // unit) * unit
     flat_p = kept_p + -(-sum(-(-k // block) * block for k in quantized) // unit) * unit
     shard = -(-flat_p // (n * unit)) * unit if sharded else flat_p
+    kept_weights = 0
     if s.states == "8bit":
         # A byte per moment and a float32 scale per block of each quantized variable; the others' moments as
-        # their weights. On the flat buffers, each replica's float32 and code buffers hold what its shard
-        # needs of each run (the most any replica's does).
+        # their weights. On the flat buffers, each replica's float32 buffers hold what its shard needs of
+        # the kept run (the most any replica's does), and its code buffers its whole shard (the kept run's
+        # codes are scratch); stepped in place (not gathered), the kept run's weights are a buffer of their own.
         blocks = sum(-(-k // s.block_size) for k in quantized)
         state = s.slots * (sum(quantized) + 4 * blocks + s.parameter_bytes // p * sum(kept))
         windows = [(k * shard, shard) for k in range(n)] if sharded else [(0, flat_p)]
-        held = {run: max(max(0, min(o + e if hi is None else hi, o + e) - max(lo, o)) for o, e in windows)
-                for run, lo, hi in (("kept", 0, kept_p if quantized else None), ("codes", kept_p, None))}
-        codes = held["codes"] if quantized else 0
-        flat_state = s.slots * (4 * held["kept"] * bool(kept) + codes + 4 * codes // s.block_size)
+        held = max(max(0, (min(kept_p, o + e) if quantized else o + e) - o) for o, e in windows) if kept else 0
+        codes = shard if quantized else 0
+        flat_state = s.slots * (4 * held + codes + 4 * codes // s.block_size)
+        kept_weights = held if quantized and not (moved and not s.one_process) else 0
     else:
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.engine.buffers, weight_shards).
-    flat_weights = shard if sharded and s.one_process else flat_p
+    flat_weights = (shard if sharded and s.one_process else flat_p) + kept_weights
     # The flat sums add up the flat gradient, padded to N whole shards when sharded (kmp.engine.buffers, `length`).
     flat_sums = n * shard if sharded else flat_p
     sums = 4 * p * s.accumulating
