@@ -208,7 +208,8 @@ def test_compiled_with_a_kept_run_the_flat_update_steps_every_buffer_in_place():
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     buffers = engine.engine_of(model).buffers
     grad = tf.random.normal([buffers.length], seed=2)
-    hlo = buffers._compiled_update().experimental_get_compiler_ir(grad, tf.constant(1e-3), None)(stage="optimized_hlo")
+    compiled = buffers._compiled_update().experimental_get_compiler_ir(grad, tf.constant(1e-3), None)
+    hlo = compiled(stage="optimized_hlo")
     entry = hlo[hlo.index("ENTRY"):]
     copies = [line for line in entry.splitlines() if " copy(" in line and f"f32[{buffers.size}]" in line]
     assert not copies, copies

@@ -503,12 +503,12 @@ class FlatBuffers:
             rule, rule_slots = self.rule, tuple(views.values())
         new = self._stepped(rule, s, h, value, grad, rule_slots, index, keep)
         if kept:
-            run = (_Prefix(kept_weights, kept) if kept < kept_weights.shape[0] else kept_weights) if self.apart else None
-            kept_new = self._stepped(fused._Adam, s, h, run.read_value() if self.apart else value[:kept], grad[:kept],
-                                     float32, index[:kept], None if keep is None else keep[:kept])
+            mask = None if keep is None else keep[:kept]
             if self.apart:
-                run.assign(kept_new)
+                run = _Prefix(kept_weights, kept) if kept < kept_weights.shape[0] else kept_weights
+                run.assign(self._stepped(fused._Adam, s, h, run.read_value(), grad[:kept], float32, index[:kept], mask))
             else:  # the new weights are a tensor of their own here (GatheredShards: gathered, not written in place)
+                kept_new = self._stepped(fused._Adam, s, h, value[:kept], grad[:kept], float32, index[:kept], mask)
                 new = tf.concat([kept_new, new[kept:]], axis=0)
         iterations.assign_add(1)
         return self.layout.write(weights, new)
