@@ -48,15 +48,23 @@ of codes and a float32 buffer of one scale per block, and ZeRO stage 1
 shards by whole blocks, so a buffer's blocks are the Keras variables'
 blocks. The variables under the optimizer's min_8bit_size keep float32
 moments: they come first, one run (`kept` variables), stepped by Adam's
-rule, and their two float32 slot buffers cover that run only, as the code
-buffers cover the rest (`covers`). Sharded, a replica's shard may hold some
-of each run: each replica's buffer of a run is as long as the most any
-replica's shard needs of it, and its first entries are used (`_window`).
+rule, and their two float32 slot buffers cover that run only (`covers`).
+The code buffers cover every element, so that the 8-bit rule steps whole
+buffers in place; the run's codes are scratch, mirrored by no Keras
+variable (`scratch`). Where the update writes in place (not GatheredShards)
+the run's weights are a buffer of their own too (`apart`, "kept_weights"),
+which the forward pass reads, and the weights buffer's run is scratch: one
+buffer joined out of the two rules' new weights is written apart by XLA on
+CPU and copied into the variable, a pass over all the weights. Sharded, a
+replica's shard may hold some of the run: each replica's buffer of it is as
+long as the most any replica's shard needs of it, and its first entries are
+used (`_window`).
 
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
 weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots
-(8-bit: 2 + 8/block), 4 for the accumulation window; with Lamb, 4 more for
+(8-bit: 2 + 8/block, and for the small variables 8 more, and 4 for their own
+weights where `apart`), 4 for the accumulation window; with Lamb, 4 more for
 each element's variable index.
 """
 

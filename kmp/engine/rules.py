@@ -97,7 +97,7 @@ class EightBitAdam:
     slots = (("momentum_codes", "_moment_codes"), ("momentum_scales", "_moment_scales"),
              ("velocity_codes", "_velocity_codes"), ("velocity_scales", "_velocity_scales"))
     # The variables under the optimizer's min_8bit_size keep Adam's float32 moments, at the buffers' start,
-    # stepped by fused._Adam: two float32 slot buffers over their elements only, as the codes cover the others.
+    # stepped by fused._Adam: two float32 slot buffers over their elements only (the codes cover every element).
     float32_slots = ADAM_SLOTS
     blocks = True  # kmp.engine.buffers aligns each variable to the optimizer's block_size
     per_block = ("momentum_scales", "velocity_scales")
