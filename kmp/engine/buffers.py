@@ -63,9 +63,9 @@ used (`_window`).
 Memory: the buffers are a second copy of the weights and slots (the Keras
 variables stay, as the observable copy): 4 bytes per parameter for the
 weights, 4 (SGD with momentum, Lion, Adagrad) or 8 (Adam, Lamb) for the slots
-(8-bit: 2 + 8/block, and for the small variables 8 more, and 4 for their own
-weights where `apart`), 4 for the accumulation window; with Lamb, 4 more for
-each element's variable index.
+(8-bit: 2 + 8/block, and for the small variables' elements 8 more for their
+float32 moments and, where `apart`, 4 for their own weights), 4 for the
+accumulation window; with Lamb, 4 more for each element's variable index.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class FlatBuffers:
         index = [inner._get_variable_index(v) for v in self.variables]
         self.float32_names = ()
         self.covers = {}
-        self.scratch = {}  # buffer name -> its first mirrored variable: the elements before it are scratch (`apart`)
+        self.scratch = {}  # buffer name -> its first mirrored variable: the elements before it are scratch
         if isinstance(inner, keras.optimizers.SGD):
             slots = {"momentum": [inner.momentums[i] for i in index]} if inner.momentum != 0 else {}
         elif hasattr(self.rule, "float32_slots"):
