@@ -50,7 +50,7 @@ def workers(out: str, specs: list[str]) -> int:
     from kmp.engine import replica_step
 
     tf.config.threading.set_intra_op_parallelism_threads(1)  # two workers share the cores
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=150)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=300)  # as multiworker_worker.py
     strategy = kmp.distribute.resolve_strategy(communication_options=options)
     results = {}
     for spec in specs:

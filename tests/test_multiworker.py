@@ -1,11 +1,10 @@
 """MultiWorkerMirroredStrategy for real: two worker processes on 127.0.0.1.
 
 Each worker (tests/multiworker_worker.py) has one CPU device, so the cluster
-has two replicas. One launch serves every test here (about 105 s on two
-cores shared with other jobs, load average ~3; 90 s before the save methods
-were resumed inside a window). The workers are killed when one fails or the
-deadline passes, and their collectives time out on their own, so a failure
-cannot hang the suite.
+has two replicas. One launch serves every test here (its workers take ~80 s
+alone on two cores, two to four times that while the rest of the suite shares
+the cores). The workers are killed when one fails or the deadline passes, and
+their collectives time out on their own, so a failure cannot hang the suite.
 """
 
 import importlib.util
@@ -27,7 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiworker")]
 
 _ROOT = Path(__file__).resolve().parent.parent
 _WORKER = Path(__file__).resolve().parent / "multiworker_worker.py"
-_DEADLINE_S = 420  # the run takes 60-110 s here; a slow CI host gets room
+# The run takes ~80 s alone on a 2-core Xeon VM, 165-370 s inside the suite there (the other
+# tests share the cores): a slow CI host gets room.
+_DEADLINE_S = 900
 
 
 def _load_worker_module():
