@@ -9,7 +9,9 @@ each row one `tf.function(jit_compile=True)`:
   block maxima, encode both again);
 - encode of both moments alone, with given scales;
 - decode of both moments alone;
-- the gradient's block maxima alone (the one reduction of the 8-bit update);
+- the same with the gradient's block maxima reduced row by row (a block a row of 256; the update
+  reduces 16 columns first, see kmp.scaling.eight_bit._block_maxima);
+- the gradient's block maxima alone (the one reduction of the 8-bit update), both ways;
 - a copy of one buffer times 2 (the memory-bandwidth floor of one pass).
 
 What the 8-bit states cost per step beyond 32-bit Adam is the difference of
@@ -29,6 +31,7 @@ from common import interleaved, report
 import tensorflow as tf  # noqa: E402  (common sets the log level first)
 
 from kmp.engine import fused  # noqa: E402
+from kmp.scaling import eight_bit  # noqa: E402
 from kmp.scaling.eight_bit import adam_update  # noqa: E402
 from kmp.scaling import quantize  # noqa: E402
 
@@ -75,14 +78,33 @@ def main() -> None:
                                    s["epsilon"], quantize.BLOCK_SIZE, tf.constant(10.0))
         return (w - step, *states)
 
+    def rows(grad, block_size=quantize.BLOCK_SIZE):
+        blocks = quantize.blocks(grad, block_size)
+        return tf.maximum(tf.reduce_max(blocks, axis=1), -tf.reduce_min(blocks, axis=1))
+
+    def adam8_rows(w, g, mq, ms, rq, rs):
+        # The update's own Python function, traced here with the row-by-row maxima (adam_update's
+        # cached tf.function keeps the first trace it got).
+        s = _scalars()
+        columns, eight_bit._block_maxima = eight_bit._block_maxima, rows
+        try:
+            step, *states = eight_bit._adam_update(
+                g, mq, ms, rq, rs, s["alpha"], s["one_minus_beta_1"], s["one_minus_beta_2"], s["epsilon"],
+                tf.constant(10, tf.int32), quantize.BLOCK_SIZE, True)
+        finally:
+            eight_bit._block_maxima = columns
+        return (w - step, *states)
+
     functions = {
         "32-bit Adam": (adam32, (w, g, m, v)),
         "8-bit Adam": (adam8, (w, g, mq, ms, rq, rs)),
+        "8-bit Adam, block maxima row by row": (adam8_rows, (w, g, mq, ms, rq, rs)),
         "encode both moments": (lambda m, v, ms, rs: (quantize.encode(m, ms, True), quantize.encode(v, rs, False)),
                                 (m, tf.sqrt(v), ms, rs)),
         "decode both moments": (lambda mq, ms, rq, rs: (quantize.decode(mq, ms, True),
                                                         quantize.decode(rq, rs, False)), (mq, ms, rq, rs)),
-        "the gradient's block maxima": (quantize.block_absmax, (g,)),
+        "the gradient's block maxima": (lambda g: eight_bit._block_maxima(g, quantize.BLOCK_SIZE), (g,)),
+        "the same, row by row": (rows, (g,)),
         "copy of one buffer (x * 2)": (lambda w: w * 2.0, (w,)),
     }
 

@@ -133,6 +133,19 @@ def test_a_second_moment_follows_adams_while_its_block_stays_busy():
     assert np.median(ratios[False]) > 1.15  # what rounding to nearest does here
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 48, 256])
+def test_the_block_maxima_are_each_blocks_largest_magnitude_compiled_or_not(block_size):
+    from kmp.scaling.eight_bit import _block_maxima
+
+    rng = np.random.default_rng(block_size)
+    g = (rng.standard_normal(3 * block_size + 5) * 10.0 ** rng.integers(-20, 20, 3 * block_size + 5)).astype(np.float32)
+    g[block_size + 3] = -np.inf  # the padded last block's zeros and an infinity count as |x|
+    padded = np.concatenate([g, np.zeros(-len(g) % block_size, np.float32)])
+    expected = np.abs(padded).reshape(-1, block_size).max(axis=1)
+    for function in (_block_maxima, tf.function(_block_maxima, jit_compile=True)):
+        np.testing.assert_array_equal(function(tf.constant(g), block_size).numpy(), expected)
+
+
 def test_stochastic_rounding_is_reproducible_and_the_same_for_every_block():
     rng = np.random.default_rng(0)
     g = [rng.standard_normal(512).astype(np.float32) for _ in range(5)]
