@@ -138,7 +138,8 @@ def test_the_block_maxima_are_each_blocks_largest_magnitude_compiled_or_not(bloc
     from kmp.scaling.eight_bit import _block_maxima
 
     rng = np.random.default_rng(block_size)
-    g = (rng.standard_normal(3 * block_size + 5) * 10.0 ** rng.integers(-20, 20, 3 * block_size + 5)).astype(np.float32)
+    n = 3 * block_size + 5
+    g = (rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20, n)).astype(np.float32)
     g[block_size + 3] = -np.inf  # the padded last block's zeros and an infinity count as |x|
     padded = np.concatenate([g, np.zeros(-len(g) % block_size, np.float32)])
     expected = np.abs(padded).reshape(-1, block_size).max(axis=1)

@@ -213,7 +213,7 @@ def _block_maxima(grad, block_size):
     they drop NaN, so a NaN gradient leaves finite codes (the step is NaN anyway; loss scaling skips such steps).
 
     A block is first reduced as 16 columns (element i to column i % 16), the max and min in one pass: XLA on CPU
-    vectorizes a reduction across rows, not along one (2-2.5x faster on P1's gradient; benchmarks/RESULTS.md)."""
+    vectorizes a reduction across rows, not along one (about 2x faster on P1's gradient; benchmarks/RESULTS.md)."""
     blocks = quantize.blocks(grad, block_size)
     if block_size % 16:
         return tf.maximum(tf.reduce_max(blocks, axis=1), -tf.reduce_min(blocks, axis=1))
