@@ -304,8 +304,12 @@ def test_under_mirrored_strategy_in_float16_every_replica_keeps_the_same_states(
     assert model.optimizer.skipped_steps.numpy() >= 1
     inner = model.optimizer.inner_optimizer
     for variable in inner.variables:
-        first, second = (np.array(c) for c in two_replicas.experimental_local_results(variable.value))
-        np.testing.assert_array_equal(first, second)
+        # On these replicas of one process Keras's copy of the states is held once in host memory
+        # (kmp.engine.zero); the step count is mirrored.
+        first, *others = (np.array(c) for c in two_replicas.experimental_local_results(variable.value))
+        assert len(others) == (0 if zero.on_host(variable) else 1), variable.path
+        for other in others:
+            np.testing.assert_array_equal(first, other)
         assert np.all(np.isfinite(first.astype("float32")))
     assert all(np.isfinite(w).all() for w in model.get_weights())
 

@@ -73,10 +73,11 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
 
     strategy = request.getfixturevalue("two_replicas") if replicas == 2 else tf.distribute.get_strategy()
     model, before = _trained_model(strategy, precision, optimizer, accumulation, flat_buffers, stage)
-    # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.engine.buffers).
+    # Two logical CPUs (replicas of one process) hold the flat buffers in shards at any stage (kmp.engine.buffers),
+    # and Keras's copy of the slots once in host memory (kmp.engine.zero).
     in_shards = replicas == 2 and bool(flat_buffers)
     assert engine.engine_of(model) is None or engine.engine_of(model).buffers.layout.sharded == in_shards
-    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
+    assert engine.engine_of(model) is None or engine.engine_of(model).buffers.layout.slots_on_host == in_shards
     assert (engine.engine_of(model) is not None) == bool(flat_buffers)  # the path the case names ran
     estimate = kmp.memory_estimate(model)
     measured = kmp.measured_bytes(model)
@@ -97,9 +98,10 @@ def test_the_estimate_is_what_each_replica_allocates(replicas, precision, optimi
     assert estimate.weights == 4 * PARAMETERS + NON_TRAINABLE
     assert estimate.gradients == 4 * PARAMETERS
     shard = -(-flat // 32) * 16 if in_shards else flat  # 128 of 240: two shards of whole units
-    # At stage 1 Keras's copy of the slots is held once in host memory, on no replica's device (kmp.engine.zero).
+    # With the buffers in shards Keras's copy of the slots is held once in host memory, on no replica's device
+    # (kmp.engine.zero).
     held = 4 * slots * PARAMETERS
-    state, host = (0, held) if stage else (held, 0)
+    state, host = (0, held) if in_shards else (held, 0)
     assert (estimate.stage, estimate.optimizer_state, estimate.accumulators) == (stage, state, sums)
     assert estimate.host == host
     # The flat sums add up the flat gradient, zero padded to whole shards when sharded (256 here).

@@ -73,9 +73,10 @@ def test_stage_1_trains_as_stage_0(two_replicas, request, optimizer, epochs, wra
     # 6 steps an epoch, a step per window of accumulation.
     assert sharded.optimizer.iterations.numpy() == 6 * epochs // wrap_args.get("gradient_accumulation_steps", 1)
     buffers = engine.engine_of(sharded).buffers
-    assert buffers.layout.slots_on_host and not engine.engine_of(whole).buffers.layout.slots_on_host
-    # On the two logical CPUs (replicas of one process) both step the flat buffers in shards.
+    # On the two logical CPUs (replicas of one process) both step the flat buffers in shards, with Keras's copy of
+    # the slots once in host memory.
     assert buffers.layout.sharded and engine.engine_of(whole).buffers.layout.sharded
+    assert buffers.layout.slots_on_host and engine.engine_of(whole).buffers.layout.slots_on_host
     local = two_replicas.experimental_local_results
     # 161 parameters, padded to whole units of 16 elements (kmp.engine.buffers, ALIGN): 176,
     # and two shards of 96. In blocks of 8 (8-bit states) each variable is padded
@@ -138,7 +139,7 @@ def test_a_variable_without_gradient_is_left_alone_on_its_shard(two_replicas, ei
             slot.assign(np.full(slot.shape, 200 if slot.dtype == "uint8" else 0.5, slot.dtype))
         initial = [np.array(v) for v in model.unused.weights + slots]
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
+        assert engine.engine_of(model).buffers.layout.slots_on_host  # replicas of one process: at both stages
         # Its weights and its slots (8-bit: codes and the scales of its blocks) as they were.
         for before, after in zip(initial, model.unused.weights + slots):
             np.testing.assert_array_equal(np.array(after), before)
@@ -166,7 +167,7 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_one_device_and_back(tmp_p
         with two_replicas.scope():
             model = keras.models.load_model(tmp_path / f"one_{stage}.keras")
         kmp.prepare(model, flat_buffers=True).fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert engine.engine_of(model).buffers.layout.slots_on_host == bool(stage)
+        assert engine.engine_of(model).buffers.layout.slots_on_host  # replicas of one process: at both stages
         continued.append(_raw(model))
     _assert_same(*continued)
 
@@ -247,8 +248,9 @@ def test_lamb_keeps_whole_variables_and_says_why(two_replicas, caplog):
 def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memory(two_replicas):
     (whole, sharded), _ = _pair(two_replicas, "adam", epochs=1)
     slots = lambda model: [*model.optimizer.inner_optimizer._momentums, *model.optimizer.inner_optimizer._velocities]
-    assert all(zero.on_host(v) and v.value.device == zero.host(two_replicas) for v in slots(sharded))
-    assert not any(zero.on_host(v) for v in slots(whole))
+    # Replicas of one process hold Keras's copy once at stage 0 too (kmp.engine.layout, SharedShards).
+    for model in (whole, sharded):
+        assert all(zero.on_host(v) and v.value.device == zero.host(two_replicas) for v in slots(model))
 
     def state_bytes(model, device):
         """Optimizer-state bytes on `device`: Keras's slot variables and the flat buffers' slots."""
@@ -258,17 +260,18 @@ def test_each_replica_device_holds_half_the_state_and_keras_copy_is_in_host_memo
                    if tf.DeviceSpec.from_string(c.device) == tf.DeviceSpec.from_string(device))
 
     # 161 parameters, Adam: 1288 bytes of state per replica on the per-variable path. On these
-    # replicas of one process the flat buffers are in shards of 96 (176 elements: whole units of 16) at both
-    # stages; stage 0 keeps Keras's copy on every replica, stage 1 once in host memory.
+    # replicas of one process the flat buffers are in shards of 96 (176 elements: whole units of 16), and
+    # Keras's copy is held once in host memory, at both stages.
     replica_1 = "/job:localhost/replica:0/task:0/device:CPU:1"
-    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (1288 + 8 * 96, 8 * 96)
-    assert state_bytes(sharded, zero.host(two_replicas)) == 1288 + 8 * 96  # replica 0's device is the host here
+    assert (state_bytes(whole, replica_1), state_bytes(sharded, replica_1)) == (8 * 96, 8 * 96)
+    for model in (whole, sharded):  # replica 0's device is the host here
+        assert state_bytes(model, zero.host(two_replicas)) == 1288 + 8 * 96
     # Keras's per-variable update needs the slots on every replica: they go back, and to the host again.
     for flat_buffers in (False, True):
         for model in (whole, sharded):
             kmp.prepare(model, flat_buffers=flat_buffers).fit(*_data(), batch_size=8, epochs=1, shuffle=False,
                                                               verbose=0)
-        assert all(zero.on_host(v) == flat_buffers for v in slots(sharded))
+        assert all(zero.on_host(v) == flat_buffers for v in slots(sharded) + slots(whole))
         _assert_same(_raw(whole), _raw(sharded))
 
 

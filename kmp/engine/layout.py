@@ -9,8 +9,9 @@
   several workers at ZeRO stage 0). The gradient is all-reduced.
 - SharedShards: replicas that are CPUs of one process share its memory, so at
   every ZeRO stage each holds one shard of the weights and slots and steps it
-  in place, and every replica's forward pass reads all the weight shards. The
-  gradient is reduce-scattered (kmp.distribute.scatter).
+  in place, and every replica's forward pass reads all the weight shards, and
+  Keras's slot copy is held once (kmp.engine.zero). The gradient is
+  reduce-scattered (kmp.distribute.scatter).
 - GatheredShards: ZeRO stage 1 elsewhere. Each replica holds the whole
   weights and one shard of the slots, steps its shard, and every new shard is
   gathered into every replica's weights (kmp.engine.zero).
@@ -41,8 +42,10 @@ def choose(buffers, optimizer, strategy, per_variable_rule: bool):
     # On CPUs of one process, shards at stage 0 too: no unused copies on the other replicas, and both
     # stages take the same step. One update of whole buffers on the first replica's can be a little
     # faster, but stage 1 cannot step that way (one XLA computation cannot touch both devices' shards).
+    # Keras's slot copy is held once there at both stages as well: the replicas' memory is one, and each
+    # copy out of the buffers then writes it once, not once per replica.
     if one_process and not per_variable_rule:
-        return SharedShards(buffers, slots_on_host=stage_1)
+        return SharedShards(buffers)
     if stage_1:  # ZeRO and Lamb are refused together (kmp.engine.buffers.support)
         return GatheredShards(buffers, across_workers=len(strategy.extended.worker_devices) < replicas)
     if one_process:
@@ -55,7 +58,7 @@ class Whole:
 
     name = "whole"
     sharded = False  # each replica holds one of N equal shards of the slots
-    slots_on_host = False  # ZeRO stage 1: Keras's slot copy held once, in host memory (kmp.engine.zero)
+    slots_on_host = False  # Keras's slot copy held once, in host memory (kmp.engine.zero)
     across_workers = False  # other workers hold some shards: gathering them is a collective
     shares_cores = False  # the replicas are CPUs of one process
     in_place = True  # the update writes its new weights into the weight buffers (else returns them: `write`)
@@ -195,10 +198,7 @@ class SharedShards(_Shards):
 
     name = "shared shards"
     shares_cores = True
-
-    def __init__(self, buffers, slots_on_host: bool):
-        super().__init__(buffers)
-        self.slots_on_host = slots_on_host
+    slots_on_host = True  # at every stage
 
     def holds_shard(self, name: str) -> bool:
         return name in ("weights", "kept_weights") or super().holds_shard(name)

@@ -12,7 +12,9 @@ observe them (a save, a callback, the end of fit()). Left mirrored, that copy
 is whole on every replica and stage 1 would save no device memory. So at
 stage 1 each slot variable's TensorFlow variable becomes one plain variable
 in host memory (`host(strategy)`, the process's CPU), once per process: every
-replica device then holds 1/N of the state. The Keras variable object stays the
+replica device then holds 1/N of the state. Replicas that are CPUs of one
+process hold it so at stage 0 too (kmp.engine.layout, SharedShards): their
+memory is one, and a copy out of the buffers then writes each slot once. The Keras variable object stays the
 same (its `_value` changes), so its path, its checkpoint key, the optimizer's
 lists and the `.keras` format are untouched. A mirrored variable would make
 each replica's per-variable update write the one host copy N times over:
@@ -58,7 +60,7 @@ from kmp.distribute.same_start import same_start
 
 
 def host(strategy) -> str:
-    """This process's CPU: where Keras's slot copy lives at stage 1."""
+    """This process's CPU: where Keras's slot copy lives (at stage 1; at every stage on CPUs of one process)."""
     try:
         device = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
     except RuntimeError:  # the default strategy has no devices of its own

@@ -13,8 +13,9 @@ N replicas:
     weights          P*b + the non-trainable variables (BatchNorm statistics, seeds), as the model holds them
     gradients        P*b      transient, in no variable: one gradient (the engine's is one flat float32
                               tensor; per-variable, one tensor per variable); a step may briefly hold two
-    optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole; at stage 1 on the flat
-                              buffers held once per process in host memory instead (`host`, kmp.engine.zero). 8-bit
+    optimizer_state  k*P*b    the inner optimizer's (Keras's) slot variables, whole; on the flat buffers at
+                              stage 1, and at every stage on replicas that are CPUs of one process (`one_process`),
+                              held once per process in host memory instead (`host`, kmp.engine.zero). 8-bit
                               (kmp.Adam8bit, kmp.AdamW8bit): per slot 1 byte per parameter and one
                               float32 scale per block (BLOCK_SIZE) of each variable's
     accumulators     4*P      kmp.scaling.accumulate's float32 sums, when accumulating; never sharded (local until
@@ -228,10 +229,10 @@ def _estimate(s: Setup) -> MemoryEstimate:
     p, n = s.parameters, s.replicas
     # Stage 1 shards the flat buffers' slots (kmp.engine.buffers), padded to N equal shards, and holds
     # Keras's copy of the slots in host memory (kmp.engine.zero); replicas that are CPUs of one process
-    # shard the flat buffers at stage 0 too. Lamb and the per-variable path keep them whole.
+    # do both at stage 0 too. Lamb and the per-variable path keep them whole.
     flat_shards = s.flat_buffers and s.optimizer != "lamb" and n > 1
-    moved = flat_shards and s.stage == 1
-    sharded = moved or (flat_shards and s.one_process)
+    gathered = flat_shards and s.stage == 1 and not s.one_process  # kmp.engine.layout's GatheredShards
+    sharded = flat_shards and (s.stage == 1 or s.one_process)
     # The flat buffers: every variable starts on a block (8-bit states, except the variables that keep
     # float32 ones, a run of their own first), the whole is padded to units of ALIGN elements and whole
     # blocks, and a shard is a whole number of units (kmp.engine.buffers).
@@ -255,7 +256,7 @@ def _estimate(s: Setup) -> MemoryEstimate:
         held = max(max(0, (min(kept_p, o + e) if quantized else o + e) - o) for o, e in windows) if kept else 0
         codes = shard if quantized else 0
         flat_state = s.slots * (4 * held + codes + 4 * codes // s.block_size)
-        kept_weights = held if quantized and not (moved and not s.one_process) else 0
+        kept_weights = held if quantized and not gathered else 0
     else:
         state, flat_state = s.slots * s.parameter_bytes, s.slots * 4 * shard
     # Replicas of one process read each other's shards of the weights too (kmp.engine.buffers, weight_shards).
@@ -268,8 +269,8 @@ def _estimate(s: Setup) -> MemoryEstimate:
         kmp_optimizer = s.precision in ("mixed_float16", "float16") or n > 1 or s.accumulating or s.flat_buffers or (
             s.stage == 1 or s.states == "8bit")
         scalars = OPTIMIZER_SCALARS + (KERAS_LOSS_SCALE_SCALARS + KMP_LOSS_SCALE_SCALARS) * kmp_optimizer
-    # At stage 1 Keras's copy of the slots is held once in host memory, not per replica (kmp.engine.zero).
-    host, state = (state, 0) if moved else (0, state)
+    # Sharded, Keras's copy of the slots is held once in host memory, not per replica (kmp.engine.zero).
+    host, state = (state, 0) if sharded else (0, state)
     return MemoryEstimate(
         host=host,
         weights=s.parameter_bytes + s.other_weights, gradients=s.parameter_bytes, optimizer_state=state + s.other_state,
