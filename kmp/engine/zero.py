@@ -14,7 +14,8 @@ stage 1 each slot variable's TensorFlow variable becomes one plain variable
 in host memory (`host(strategy)`, the process's CPU), once per process: every
 replica device then holds 1/N of the state. Replicas that are CPUs of one
 process hold it so at stage 0 too (kmp.engine.layout, SharedShards): their
-memory is one, and a copy out of the buffers then writes each slot once. The Keras variable object stays the
+memory is one, and a copy out of the buffers then writes each slot once.
+The Keras variable object stays the
 same (its `_value` changes), so its path, its checkpoint key, the optimizer's
 lists and the `.keras` format are untouched. A mirrored variable would make
 each replica's per-variable update write the one host copy N times over:
