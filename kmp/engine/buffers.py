@@ -245,7 +245,6 @@ class FlatBuffers:
         """At ZeRO stage 1, and on replicas that are CPUs of one process: Keras's whole copy of the slots once in
         host memory, or (for Keras's own per-variable update) one per replica again (kmp.engine.zero). Otherwise
         nothing moves."""
-        self._replica_components = {}  # (name, local replica) -> TensorFlow variables (_components)
         if self.layout.slots_on_host:
             slots = [v for name in self.slot_names for v in self.mirrors[name]]
             zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy)
@@ -671,21 +670,13 @@ class FlatBuffers:
                 if k and ((n in whole and zero.on_host(self.mirrors[n][0])) or (direction == "load" and first_only)):
                     continue
                 buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if first_only else k]
-            mirrors = {n: self._components(n, k) for n in buffers}
+            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 stored = copy(buffers, mirrors, replica * self.shard) or []
             if not k:  # a mirrored variable's components are written together: the first stands for all
                 written += stored
         self._split_now = {}
         return written
-
-    def _components(self, name: str, k: int) -> list:
-        """Local replica k's TensorFlow variable behind each Keras variable buffer `name` mirrors, found once: a
-        copy takes a few hundred, each looked up in Python (place_slots changes them)."""
-        if (name, k) not in self._replica_components:
-            local = self.strategy.experimental_local_results
-            self._replica_components[name, k] = [_component(local(_tf_variable(v)), k) for v in self.mirrors[name]]
-        return self._replica_components[name, k]
 
     def _first(self, value):
         """The first replica's component of a distributed variable or value."""
