@@ -5,7 +5,9 @@ Each test trains the same model twice from the same seed, with
 `flat_buffers=False` (kmp's per-variable path) and True, and compares.
 """
 
+import glob
 import logging
+import os
 
 import keras
 import numpy as np
@@ -342,6 +344,53 @@ def test_model_checkpoint_mid_epoch_saves_the_current_weights(tmp_path):
     _assert_close(*files)
     untrained = _raw(_model())
     assert not np.array_equal(files[1][0], untrained[0])
+
+
+def _stores(model):
+    """How many stores of `model`'s buffers were made (counted from now on)."""
+    buffers, count = engine.engine_of(model).buffers, [0]
+    store = buffers.store
+
+    def counted(names=None):
+        count[0] += 1
+        store(names)
+
+    buffers.store = counted
+    return count
+
+
+def test_an_epoch_end_copies_only_for_what_reads_the_variables():
+    x, y = _data()
+    model = kmp.prepare(_model(), flat_buffers=True)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    stores = _stores(model)
+    # The known callbacks read at an epoch's end through the model's methods: one store, at the end.
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[keras.callbacks.CSVLogger(os.devnull)])
+    assert stores[0] == 1
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, validation_data=(x, y))
+    assert stores[0] == 1 + 3  # each validation's evaluate (the end's store finds them current)
+
+
+def _histograms(log_dir):
+    """Each epoch's histogram of each weight that a TensorBoard callback logged: {(tag, step): buckets}."""
+    found = {}
+    for path in glob.glob(os.path.join(log_dir, "train", "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "histograms":
+                    found[(value.tag, event.step)] = tf.make_ndarray(value.tensor)
+    return found
+
+
+def test_tensorboard_histograms_see_each_epochs_weights(tmp_path):
+    runs = []
+    for flat in (False, True):
+        board = keras.callbacks.TensorBoard(str(tmp_path / str(flat)), histogram_freq=1, write_graph=False)
+        _trained(flat, callbacks=[board], epochs=2)
+        runs.append(_histograms(str(tmp_path / str(flat))))
+    assert runs[0].keys() == runs[1].keys() and {step for _, step in runs[0]} == {0, 1}
+    for key in runs[0]:
+        np.testing.assert_allclose(runs[1][key], runs[0][key], rtol=1e-4, atol=1e-5, err_msg=str(key))
 
 
 def test_a_keras_file_moves_between_the_engine_and_plain_keras(one_epoch_on_one_device, tmp_path):

@@ -33,7 +33,8 @@ when something may have written them:
     buffers -> Keras variables (store), when the buffers are newer, before:
         evaluate / predict / save / save_weights / get_weights / test_on_batch /
         predict_on_batch / export, called on the model (validation in fit() too);
-        every on_epoch_end and on_train_end (before the callbacks);
+        on_train_end (before the callbacks), and a TensorBoard's on_epoch_end where it logs
+        histograms (the known callbacks' other epoch-end reads go through the model's methods above);
         each hook of a callback kmp does not know, that the callback overrides;
         an overflowing step's layer diagnosis (its forward pass reads them).
     Keras variables -> buffers (load, of what was written since the last store), before the next step, after:
@@ -45,7 +46,7 @@ when something may have written them:
 Under MultiWorkerMirroredStrategy at ZeRO stage 1 each worker holds its
 replicas' shards of the optimizer state, and storing the state gathers the
 others' (a collective: kmp.engine.zero). It is stored where every worker is at the
-same point: fit()'s epoch ends and end, callbacks' hooks, and the model's
+same point: fit()'s end, callbacks' hooks, and the model's
 save, save_weights and its writers (TensorFlow's multi-worker rule: every
 worker calls them). Its other readers (get_weights, evaluate, predict, ...),
 which one worker may call alone, get the weights without the state.
@@ -220,10 +221,8 @@ def _overridden(callback) -> set:
 
 
 class _Sync(keras.callbacks.Callback):
-    """First in fit()'s list: the buffers are copied out before the epoch's and the run's end hooks."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        observe(self.model)
+    """First in fit()'s list: the buffers are copied out before the run's end hooks. Not at each epoch's
+    end: the callbacks kmp knows read the weights there through the model's methods, which copy them."""
 
     def on_train_end(self, logs=None):
         observe(self.model)
@@ -260,6 +259,10 @@ def callbacks(model: keras.Model, given) -> list:
     out = [_Sync()]
     for callback in given:
         hooks = _overridden(callback)
+        if type(callback) is keras.callbacks.TensorBoard and callback.histogram_freq:
+            # Its histograms read the Keras variables themselves at an epoch's end: a copy out before.
+            out += [_Around(callback, {"on_epoch_end"}, before=True), callback]
+            continue
         # Exact types: a subclass may read weights in a hook it overrides.
         if _is_known(callback) or getattr(callback, "kmp_reads_weights", True) is False or not hooks:
             out.append(callback)

@@ -1,7 +1,7 @@
 """ZeRO stage 1: the weights' all-gather, the slots gathered whole, and where Keras's slot copy lives.
 
     gather(buffers, new_shard)      # every replica, in replica context, every step
-    whole_shards(buffers)           # eagerly, when the engine stores the state (a save, an epoch's end)
+    whole_shards(buffers)           # eagerly, when the engine stores the state (a save, the end of fit())
     to_host(slot_variables, device) # when the sharded buffers are built
     to_replicas(slot_variables, strategy)   # when the per-variable path takes over again
 
@@ -36,7 +36,7 @@ of the equal shards.
 
 Storing the state under several workers is a collective too (each worker
 holds its replicas' shards only): kmp.engine gathers it where every worker
-is at the same point (fit()'s epoch ends and end, callbacks' hooks, and the
+is at the same point (fit()'s end, callbacks' hooks, and the
 model's save, save_weights, set_weights and load_weights, which
 TensorFlow's multi-worker rule has every worker call), and stores the
 weights alone, with no collective, for the readers one worker may call
