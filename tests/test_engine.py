@@ -347,28 +347,34 @@ def test_model_checkpoint_mid_epoch_saves_the_current_weights(tmp_path):
 
 
 def _stores(model):
-    """How many stores of `model`'s buffers were made (counted from now on)."""
-    buffers, count = engine.engine_of(model).buffers, [0]
+    """The names each store of `model`'s buffers copied (recorded from now on)."""
+    buffers, seen = engine.engine_of(model).buffers, []
     store = buffers.store
 
-    def counted(names=None):
-        count[0] += 1
+    def recorded(names=None):
+        seen.append(tuple(buffers.buffers) if names is None else tuple(names))
         store(names)
 
-    buffers.store = counted
-    return count
+    buffers.store = recorded
+    return seen
 
 
-def test_an_epoch_end_copies_only_for_what_reads_the_variables():
+def test_an_epoch_end_copies_only_for_what_reads_the_variables_and_only_what_it_reads(tmp_path):
     x, y = _data()
     model = kmp.prepare(_model(), flat_buffers=True)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     stores = _stores(model)
+    everything, state = ("weights", "momentum", "velocity"), ("momentum", "velocity")  # AdamW
     # The known callbacks read at an epoch's end through the model's methods: one store, at the end.
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[keras.callbacks.CSVLogger(os.devnull)])
-    assert stores[0] == 1
+    assert stores == [everything]
+    # Validation reads the weights only: the optimizer's state is stored once, at the end.
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, validation_data=(x, y))
-    assert stores[0] == 1 + 3  # each validation's evaluate (the end's store finds them current)
+    assert stores[1:] == [("weights",)] * 3 + [state]
+    # A save reads the state too.
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"))
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint])
+    assert stores[5:] == [("weights",), state] * 2
 
 
 def _histograms(log_dir):

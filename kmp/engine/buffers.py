@@ -92,6 +92,7 @@ from kmp.scaling.gradients import unscale
 logger = logging.getLogger(__name__)
 
 EAGER_COPIES = 50  # loads made eagerly before one traced graph makes them (see _copy)
+WEIGHT_BUFFERS = ("weights", "kept_weights")  # the model's weights; the other buffers are the optimizer's state
 IN_PLACE_FROM = 16384  # elements: a variable's gradient this large is written into the flat one in place (join)
 
 

@@ -31,8 +31,10 @@ the Keras variables before anything in fit() can observe them, and back
 when something may have written them:
 
     buffers -> Keras variables (store), when the buffers are newer, before:
-        evaluate / predict / save / save_weights / get_weights / test_on_batch /
-        predict_on_batch / export, called on the model (validation in fit() too);
+        save / save_weights, called on the model;
+        evaluate / predict / get_weights / test_on_batch / predict_on_batch /
+        export, called on the model (validation in fit() too): the weights only,
+        the optimizer state when next something reads it (at the latest, the end);
         on_train_end (before the callbacks), and a TensorBoard's on_epoch_end where it logs
         histograms (the known callbacks' other epoch-end reads go through the model's methods above);
         each hook of a callback kmp does not know, that the callback overrides;
@@ -48,8 +50,8 @@ replicas' shards of the optimizer state, and storing the state gathers the
 others' (a collective: kmp.engine.zero). It is stored where every worker is at the
 same point: fit()'s end, callbacks' hooks, and the model's
 save, save_weights and its writers (TensorFlow's multi-worker rule: every
-worker calls them). Its other readers (get_weights, evaluate, predict, ...),
-which one worker may call alone, get the weights without the state.
+worker calls them). The model's other readers (get_weights, evaluate,
+predict, ...), which one worker may call alone, get the weights only.
 
 Callbacks known to read and write no weights in their batch hooks, or to do
 it only through the model's methods above, cost nothing per batch: Keras's
@@ -81,7 +83,9 @@ from kmp.scaling import overflow
 logger = logging.getLogger(__name__)
 
 FLAT, SAME, KERAS = "buffers newer", "same", "keras newer"
-STATE = "buffers' state newer"  # the weights stored, not the sharded state (several workers)
+STATE = "buffers' state newer"  # some buffers stored (the weights, or all but the sharded state), not all
+# What an observe stores (Engine.observe): everything; what needs no gather across workers; the weights only.
+ALL, NO_GATHER, WEIGHTS = "all", "no gather", "weights"
 
 # Where the flat weights are split into the variables' values: in the XLA
 # forward/backward (no copy), or before it, for models of more variables than
@@ -121,6 +125,7 @@ class Engine:
         self.buffers = flat.FlatBuffers(model)
         self.buffers.load()
         self.state = SAME
+        self.lagging = ()  # in STATE, the buffers not stored yet
         self.noted = set()  # callback classes whose per-batch copies were announced
 
     # --- The state machine ---
@@ -138,16 +143,21 @@ class Engine:
                 self.buffers.load(names)
             self.state = SAME
 
-    def observe(self, state: bool = True) -> None:
-        """The Keras variables made current; with state=False, under several workers
-        at stage 1, all but the sharded state (no collective: see the module docstring)."""
+    def observe(self, what: str = ALL) -> None:
+        """The Keras variables made current: all of them (ALL); or all but a state sharded across workers
+        (NO_GATHER: no collective, see the module docstring); or the model's weights only (WEIGHTS, for the
+        readers of the model alone: evaluate reads no optimizer state), the rest stored when next observed."""
         if self.state not in (FLAT, STATE):
             return
-        partial = not state and self.buffers.layout.across_workers
-        names = [n for n in self.buffers.buffers
-                 if (self.state == FLAT or self.buffers.is_shard(n)) and not (partial and self.buffers.is_shard(n))]
-        self.buffers.store(names)
-        self.state = STATE if partial else SAME
+        buffers = self.buffers
+        lagging = tuple(buffers.buffers) if self.state == FLAT else self.lagging
+        names = [n for n in lagging
+                 if not (what != ALL and buffers.layout.across_workers and buffers.is_shard(n))
+                 and (what != WEIGHTS or n in flat.WEIGHT_BUFFERS)]
+        if names:
+            buffers.store(names)
+        self.lagging = tuple(n for n in lagging if n not in names)
+        self.state = STATE if self.lagging else SAME
 
     def written(self) -> None:
         self.observe()  # what was not written must be current too
@@ -231,9 +241,9 @@ class _Sync(keras.callbacks.Callback):
 class _Around(keras.callbacks.Callback):
     """Just before (or after) a callback kmp does not know: a copy out (or in) around its overridden hooks."""
 
-    def __init__(self, callback, hooks: set, before: bool):
+    def __init__(self, callback, hooks: set, before: bool, what: str = ALL):
         super().__init__()
-        self.watched, self.before = callback, before
+        self.watched, self.before, self.what = callback, before, what
         for hook in hooks:
             setattr(self, hook, functools.partial(self._around, hook))
 
@@ -248,7 +258,7 @@ class _Around(keras.callbacks.Callback):
                 "call and back after it. If it neither reads nor writes weights there, set "
                 "kmp_reads_weights = False on it.", type(self.watched).__name__, hook)
         if self.before:
-            engine.observe()
+            engine.observe(self.what)
         else:
             engine.written()
 
@@ -260,8 +270,8 @@ def callbacks(model: keras.Model, given) -> list:
     for callback in given:
         hooks = _overridden(callback)
         if type(callback) is keras.callbacks.TensorBoard and callback.histogram_freq:
-            # Its histograms read the Keras variables themselves at an epoch's end: a copy out before.
-            out += [_Around(callback, {"on_epoch_end"}, before=True), callback]
+            # Its histograms read the model's variables themselves at an epoch's end: the weights out before.
+            out += [_Around(callback, {"on_epoch_end"}, before=True, what=WEIGHTS), callback]
             continue
         # Exact types: a subclass may read weights in a hook it overrides.
         if _is_known(callback) or getattr(callback, "kmp_reads_weights", True) is False or not hooks:
@@ -271,16 +281,16 @@ def callbacks(model: keras.Model, given) -> list:
     return out
 
 
-def observe(model_or_callback, *_, state: bool = True, **__) -> None:
+def observe(model_or_callback, *_, what: str = ALL, **__) -> None:
     """Before something reads the Keras variables of `model` (or a callback's model): they get the buffers
-    (with state=False, all but a sharded state held by other workers: Engine.observe)."""
+    (all of them, or part: Engine.observe)."""
     engine = _engine_behind(model_or_callback)
     if engine is not None:
-        engine.observe(state)
+        engine.observe(what)
 
 
 def _observe_weights(model, *_, **__) -> None:
-    observe(model, state=False)
+    observe(model, what=WEIGHTS)
 
 
 def written(model_or_callback, *_, **__) -> None:
@@ -363,8 +373,8 @@ def _training(call, stock):
         try:
             result = call(self, *args, **kwargs)
         except BaseException:
-            # The other workers may not come to a gather of the state: the weights only.
-            observe(self, state=False)
+            # The other workers may not come to a gather of the state: all but that.
+            observe(self, what=NO_GATHER)
             raise
         observe(self)
         return result

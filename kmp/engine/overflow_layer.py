@@ -320,9 +320,9 @@ def _culprit_when_run(model, table, x):
         batch = tf.nest.pack_sequence_as(spec, list(flat), expand_composites=True)
         with _EAGER_RUN:  # replicas share the layers' instances, which _recording wraps
             try:
-                # The flat-buffer engine's weights, into the model's variables (not a state held by
-                # other workers: no collective inside the step).
-                engine.observe(model, state=False)
+                # The flat-buffer engine's weights, into the model's variables (no optimizer state:
+                # no collective inside the step).
+                engine.observe(model, what=engine.WEIGHTS)
                 with _recording(table) as recorder:
                     return tf.stack(culprit(*forward_notes(model, batch, recorder)))
             except Exception as error:  # a diagnosis that fails must not stop the training it explains
