@@ -7,10 +7,12 @@ round times, for every model, one fit() of `--epochs` epochs of
 `--steps / --epochs` steps and one fit() of a single epoch of `--steps`
 steps: the same steps, so the difference over `--epochs - 1` is what each
 further epoch costs besides its steps (Keras's epoch loop, the input
-iterator, and kmp's copies there). No validation and no callback of the
-user's: an epoch's end that nothing reads.
+iterator, and kmp's copies there). No callback of the user's; no
+validation, an epoch's end that nothing reads, or with `--validation`
+each epoch validated on 2 batches (in both fits: the difference then
+holds each further validation too).
 
-    python benchmarks/p1_epochs.py [--policy mixed_float16] [--rounds 7] [--epochs 10] [--steps 30]
+    python benchmarks/p1_epochs.py [--policy mixed_float16] [--rounds 7] [--epochs 10] [--steps 30] [--validation]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--validation", action="store_true", help="validate each epoch on 2 batches")
     args = parser.parse_args()
     if args.epochs < 2 or args.steps % args.epochs:
         parser.error("--epochs must be at least 2 and divide --steps")
@@ -61,7 +64,8 @@ def main() -> None:
     def timed(model, epochs):
         rows = batch * args.steps // epochs
         start = time.perf_counter()
-        model.fit(x[:rows], y[:rows], batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+        model.fit(x[:rows], y[:rows], batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                  validation_data=(x[:2 * batch], y[:2 * batch]) if args.validation else None)
         return time.perf_counter() - start
 
     for model in models.values():  # traced and compiled, and warm
@@ -72,7 +76,8 @@ def main() -> None:
         for (name, epochs), seconds in times.items():
             seconds.append(timed(models[name], epochs))
     print(f"P1, {args.policy}: {args.steps} steps as one epoch and as {args.epochs} epochs of "
-          f"{args.steps // args.epochs}; medians of {args.rounds} interleaved rounds")
+          f"{args.steps // args.epochs}{', each validated' if args.validation else ''}; "
+          f"medians of {args.rounds} interleaved rounds")
     many = {}
     for name in models:
         one, many[name] = (statistics.median(times[(name, e)]) for e in (1, args.epochs))
