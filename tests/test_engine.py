@@ -346,16 +346,16 @@ def test_model_checkpoint_mid_epoch_saves_the_current_weights(tmp_path):
     assert not np.array_equal(files[1][0], untrained[0])
 
 
-def _stores(model):
-    """The names each store of `model`'s buffers copied (recorded from now on)."""
+def _copies(model, direction: str):
+    """The names each copy ("load" or "store") of `model`'s buffers copied (recorded from now on)."""
     buffers, seen = engine.engine_of(model).buffers, []
-    store = buffers.store
+    copy = getattr(buffers, direction)
 
     def recorded(names=None):
         seen.append(tuple(buffers.buffers) if names is None else tuple(names))
-        store(names)
+        copy(names)
 
-    buffers.store = recorded
+    setattr(buffers, direction, recorded)
     return seen
 
 
@@ -363,7 +363,7 @@ def test_an_epoch_end_copies_only_for_what_reads_the_variables_and_only_what_it_
     x, y = _data()
     model = kmp.prepare(_model(), flat_buffers=True)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    stores = _stores(model)
+    stores = _copies(model, "store")
     everything, state = ("weights", "momentum", "velocity"), ("momentum", "velocity")  # AdamW
     # The known callbacks read at an epoch's end through the model's methods: one store, at the end.
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[keras.callbacks.CSVLogger(os.devnull)])
@@ -449,14 +449,21 @@ class _Interrupt(keras.callbacks.Callback):
         if batch == 3:
             raise KeyboardInterrupt
 
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:  # after epoch 0's validation, which stored the weights only
+            raise KeyboardInterrupt
 
-def test_an_interrupted_fit_leaves_the_variables_current():
+
+@pytest.mark.parametrize("validated", [False, True])
+def test_an_interrupted_fit_leaves_the_variables_current(validated):
     runs = []
+    x, y = _data()
     for flat in (False, True):
         model = kmp.prepare(_model(), flat_buffers=flat)
         with pytest.raises(KeyboardInterrupt):
-            model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[_Interrupt()])
-        runs.append(_raw(model))
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[_Interrupt()],
+                      **({"validation_data": (x, y), "steps_per_epoch": 3} if validated else {}))
+        runs.append(_raw(model))  # the optimizer's state too
     _assert_close(*runs)
 
 
@@ -497,19 +504,6 @@ def test_set_weights_between_fits_is_trained_from_and_a_new_compile_gets_new_buf
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # the new loss (MAE), on the same weights
 
 
-def _loads(model):
-    """The names each load of `model`'s buffers copied (recorded from now on)."""
-    buffers, seen = engine.engine_of(model).buffers, []
-    load = buffers.load
-
-    def recorded(names=None):
-        seen.append(tuple(buffers.buffers) if names is None else tuple(names))
-        load(names)
-
-    buffers.load = recorded
-    return seen
-
-
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_fit_after_a_fit_loads_nothing_and_a_write_reloads_its_buffer_only(replicas, two_replicas):
     """The Keras variables still holding what the last store wrote (kmp.engine.buffers.written_since_store):
@@ -533,7 +527,7 @@ def test_a_fit_after_a_fit_loads_nothing_and_a_write_reloads_its_buffer_only(rep
     for flat in (False, True):
         model = kmp.prepare(_model(strategy, "adam"), flat_buffers=flat)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        loads = _loads(model) if flat else []
+        loads = _copies(model, "load") if flat else []
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         assert loads == []
         for name, write in writes:
