@@ -36,8 +36,8 @@ of the equal shards.
 
 Storing the state under several workers is a collective too (each worker
 holds its replicas' shards only): kmp.engine gathers it where every worker
-is at the same point (fit()'s end, callbacks' hooks, and the
-model's save, save_weights, set_weights and load_weights, which
+is at the same point (fit()'s end, callbacks' hooks, and the model's
+save, save_weights, set_weights and load_weights, which
 TensorFlow's multi-worker rule has every worker call), and stores the
 weights alone, with no collective, for the readers one worker may call
 alone (get_weights, evaluate, predict, export).
