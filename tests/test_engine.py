@@ -539,6 +539,20 @@ def test_a_fit_after_a_fit_loads_nothing_and_a_write_reloads_its_buffer_only(rep
     _assert_close(*runs)
 
 
+def test_the_buffers_back_after_a_per_variable_fit_store_into_the_moved_slots(two_replicas):
+    """On replicas of one process Keras's slots move to one host copy and back (kmp.engine.zero) when a fit
+    takes the per-variable path in between: the stores then write the slots' new variables."""
+    x, y = _data()
+    runs = []
+    for flats in ((False, False, False), (True, False, True)):
+        model = _model(two_replicas, "adam")
+        for flat in flats:
+            model = kmp.prepare(model, flat_buffers=flat)
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs.append(_raw(model))
+    _assert_close(*runs)
+
+
 # --- Where the buffers do not apply --------------------------------------------
 
 

@@ -187,6 +187,14 @@ def test_a_tf_checkpoint_restores_every_shard(tmp_path, two_replicas, optimizer)
     _assert_same(_raw(sharded), _raw(restored))
 
 
+def test_a_store_of_the_weights_joins_no_slot_shards(adam_accumulated):
+    """Validation and the model's readers store the weights only (kmp.engine.buffers.WEIGHT_BUFFERS):
+    only the weights' shards are joined for them."""
+    buffers = engine.engine_of(adam_accumulated[0][1]).buffers
+    assert set(zero.whole_shards(buffers, ("weights",))) == {"weights"}
+    assert set(zero.whole_shards(buffers, tuple(buffers.buffers))) == {"weights", "momentum", "velocity"}
+
+
 def test_kmp_backup_resumes_exactly_at_stage_1(tmp_path, two_replicas, adam_accumulated):
     from kmp.callbacks.backup import BackupAndRestore
 

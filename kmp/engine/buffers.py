@@ -650,7 +650,7 @@ class FlatBuffers:
         # Queued to a thread of their own (_queued); not across workers, where a store gathers by a collective.
         with contextlib.nullcontext() if self.layout.across_workers else _queued():
             # Stored whole, once, into Keras's one copy in host memory (kmp.engine.zero).
-            whole = zero.whole_shards(self) if direction == "store" and any(map(self.is_shard, names)) else {}
+            whole = zero.whole_shards(self, names) if direction == "store" and any(map(self.is_shard, names)) else {}
             written = self._copy_replicas(copy, direction, names, whole)
         for n, variable, value in written:
             self._held.setdefault(n, []).append((variable, value, _address(value)))

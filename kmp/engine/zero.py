@@ -1,7 +1,7 @@
 """ZeRO stage 1: the weights' all-gather, the slots gathered whole, and where Keras's slot copy lives.
 
     gather(buffers, new_shard)      # every replica, in replica context, every step
-    whole_shards(buffers)           # eagerly, when the engine stores the state (a save, the end of fit())
+    whole_shards(buffers, names)    # eagerly, when the engine stores the state (a save, the end of fit())
     to_host(slot_variables, device) # when the sharded buffers are built
     to_replicas(slot_variables, strategy)   # when the per-variable path takes over again
 
@@ -85,8 +85,8 @@ def _gather(strategy, buffers, shard):
             weights.assign(whole)
 
 
-def whole_shards(buffers) -> dict:
-    """Each sharded buffer whole (this process's copy, zero padded at the end), by name.
+def whole_shards(buffers, names) -> dict:
+    """Each sharded buffer of `names` whole (this process's copy, zero padded at the end), by name.
 
     Under several workers an all-gather: a collective every worker must join
     at the same point (see the module docstring), traced once.
@@ -94,9 +94,10 @@ def whole_shards(buffers) -> dict:
     local = buffers.strategy.experimental_local_results
     if not buffers.layout.across_workers:
         shards = {n: [b.read_value() for b in local(buffers.buffers[n])]
-                  for n in buffers.buffers if buffers.is_shard(n)}
+                  for n in names if buffers.is_shard(n)}
     else:
-        shards = {n: tf.split(whole, buffers.replicas) for n, whole in buffers.layout.gathered_slots().items()}
+        shards = {n: tf.split(whole, buffers.replicas) for n, whole in buffers.layout.gathered_slots().items()
+                  if n in names}
     # Each replica's entries that hold its shard: a slot of 8-bit states may cover some variables only.
     return {n: tf.concat([first_entries(shard, buffers.used(n, k)) for k, shard in enumerate(parts)], axis=0)
             for n, parts in shards.items()}
