@@ -6,8 +6,10 @@ warm-up calls, whole fit() calls of 30 steps and of one step are timed in
 `--calls` interleaved rounds, each with the input kmp chooses (global
 batches split in the step) and with tf.distribute's per-replica iterator;
 the difference between the two lengths gives a step, and what one call costs
-besides its steps. Then one call runs under cProfile and its time is split
-into:
+besides its steps. kmp's own copies are timed in those calls as fit() makes
+them (the store, the check, any load: `FlatBuffers.store`,
+`written_since_store` and `load` of this model, wrapped), beside the step.
+Then one call runs under cProfile and its time is split into:
 
 - the steps (Keras's train function, kmp's wrappers included);
 - Keras distributing the dataset (`experimental_distribute_dataset`, once
@@ -53,6 +55,27 @@ def _cumulative(stats, functions) -> float:
                if any(file.endswith(suffix) and function == name for suffix, name in functions))
 
 
+def _time_copies(model) -> list:
+    """The seconds of each copy kmp's engine makes for `model` from now on (this instance's methods
+    wrapped), appended to the list returned."""
+    from kmp.engine import engine
+
+    buffers, seconds = engine.engine_of(model).buffers, []
+
+    def timed(method):
+        def timed_method(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds.append(time.perf_counter() - start)
+        return timed_method
+
+    for name in ("store", "load", "written_since_store"):
+        setattr(buffers, name, timed(getattr(buffers, name)))
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="mixed_float16")
@@ -95,11 +118,16 @@ def main() -> None:
     for _ in range(3):
         fit()
         timed(args.steps, False)
+    copies = _time_copies(model)
     # Interleaved rounds: whole fit() calls of `steps` and of one step, each input path.
     rounds = {(steps, host): [] for steps in (args.steps, 1) for host in (True, False)}
+    copied = []  # seconds of kmp's copies in each call of `steps`, host batches
     for _ in range(args.calls):
         for key, times in rounds.items():
+            copies.clear()
             times.append(timed(*key))
+            if key == (args.steps, True):
+                copied.append(sum(copies))
     whole = rounds[(args.steps, True)]
     profile = cProfile.Profile()
     start = time.perf_counter()
@@ -117,6 +145,10 @@ def main() -> None:
         per_step = (many - one) / (args.steps - 1)
         print(f"input from {name}: fit() of {args.steps} steps {many:.3f} s, of 1 step {one:.3f} s; "
               f"per call besides the steps {one - per_step:.3f} s ({per_step * 1e3:.1f} ms per step)")
+        if host:
+            own = statistics.median(copied)
+            print(f"  kmp's copies per call: {own * 1e3:.1f} ms (median; {', '.join(f'{c * 1e3:.1f}' for c in copied)}),"
+                  f" {own / per_step:.2f} of a step")
     print(f"one fit() under cProfile: {profiled:.3f} s")
     for name, seconds in parts.items():
         print(f"  {name:20s} {seconds:6.3f} s  {seconds / profiled:5.1%}")
