@@ -84,6 +84,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "kmp.distribute.leaving: the coordination service's barrier, where a multi-worker job's tasks meet at exit; "
         "kmp.engine.buffers: whether eager ops already run asynchronously",
     ),
+    "execute": (
+        "tensorflow.python.eager.execute", "execute",
+        "kmp.engine.buffers: reads many variables by one eager op (_ReadVariablesOp, which tf.raw_ops does not list)",
+    ),
     "new_executor": (
         "tensorflow.python.eager.executor", "new_executor",
         "kmp.engine.buffers: the copies between the flat buffers and the Keras variables queue their eager ops",
@@ -195,6 +199,9 @@ ATTRIBUTE_SEAMS: dict[str, tuple[str, ...]] = {
     ),
     "type names in a tf.data pipeline": (  # kmp.input_pipeline compares them: an unbatch undoes a batch
         "_UnbatchDataset", "_DenseToRaggedDataset",
+    ),
+    "TensorFlow's registered ops": (  # run by name (kmp.seams "execute"): tf.raw_ops lists no private op
+        "_ReadVariablesOp",        # kmp.engine.buffers: many variables read by one eager op
     ),
     "tf.__internal__.distribute": (
         "interim",                 # .maybe_merge_call (kmp.LossScaleOptimizer): Keras's own route to merge_call or not

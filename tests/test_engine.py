@@ -539,6 +539,57 @@ def test_a_fit_after_a_fit_loads_nothing_and_a_write_reloads_its_buffer_only(rep
     _assert_close(*runs)
 
 
+def _same_shapes(strategy=None, optimizer="adam"):
+    """Three kernels of one shape between biases: the buffers hold the kernels as one run."""
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else keras.name_scope("one_device"):
+        model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="tanh") for _ in range(3)]
+                                 + [keras.layers.Dense(1)])
+        inner = (kmp.AdamW8bit(1e-2, weight_decay=0.05, block_size=8, min_8bit_size=17) if optimizer == "adamw8bit"
+                 else keras.optimizers.Adam(1e-2))
+        model.compile(optimizer=kmp.LossScaleOptimizer(inner), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw8bit"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_variables_of_one_shape_are_stored_as_one_run_and_train_as_the_per_variable_path(replicas, optimizer,
+                                                                                          two_replicas):
+    """The variables of one shape lie next to each other in the buffers, and a store splits them by one op
+    (kmp.engine.buffers._CopyPlan): every variable still gets its own values, and a fit after a fit still
+    finds them unwritten (nothing to load)."""
+    strategy = two_replicas if replicas == 2 else None
+    rng = np.random.RandomState(0)
+    x = rng.randn(48, 8).astype("float32")
+    y = np.tanh(x @ rng.randn(8, 1)).astype("float32")
+    runs = []
+    for flat in (False, True):
+        model = kmp.prepare(_same_shapes(strategy, optimizer), flat_buffers=flat)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        if flat:
+            buffers = engine.engine_of(model).buffers
+            kernels = [k for k, shape in enumerate(buffers.shapes) if shape == (8, 8)]
+            assert kernels == list(range(kernels[0], kernels[0] + 3))  # together
+            assert any(count == 3 for _, count, _ in buffers._copy_plan("weights").wanted)
+            loads = _copies(model, "load")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert not flat or loads == []
+        runs.append(_raw(model))
+    _assert_close(*runs)
+
+
+def test_a_run_is_of_one_shape_and_unpadded_between():
+    """kmp.engine.buffers._runs: the variables a copy splits by one op."""
+    from kmp.engine.buffers import _runs
+
+    # 1-D variables need no reshape: SplitV's pieces are theirs.
+    assert _runs([(8, 8)] * 3 + [(8,)] * 2, [64] * 3 + [8] * 2) == [((8, 8), 3, 64, 0), ((8,), 1, 8, 0),
+                                                                   ((8,), 1, 8, 0)]
+    # Padding after a variable ends its run, which may end padded itself.
+    assert _runs([(3, 5)] * 3, [15, 16, 15]) == [((3, 5), 2, 15, 1), ((3, 5), 1, 15, 0)]
+    assert _runs([(3, 5), (5, 3), (3, 5)], [15] * 3) == [((3, 5), 1, 15, 0), ((5, 3), 1, 15, 0), ((3, 5), 1, 15, 0)]
+
+
 def test_the_buffers_back_after_a_per_variable_fit_store_into_the_moved_slots(two_replicas):
     """On replicas of one process Keras's slots move to one host copy and back (kmp.engine.zero) when a fit
     takes the per-variable path in between: the stores then write the slots' new variables."""

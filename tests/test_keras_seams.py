@@ -27,7 +27,7 @@ from keras.src.backend.tensorflow.trainer import TFEpochIterator
 import kmp
 from kmp import seams
 from kmp.engine import fused
-from kmp.engine.buffers import _queued
+from kmp.engine.buffers import _queued, _read_all
 from kmp.errors import KmpError
 
 
@@ -65,6 +65,7 @@ def _objects(strategy):
     # MultiWorkerMirroredStrategy's cross-device ops, made as it makes them (a strategy of that kind
     # would configure this process's collectives: tests/test_multiworker.py runs one for real).
     from tensorflow.python.distribute import collective_util, cross_device_ops
+    from tensorflow.python.framework import op_def_registry
     collective = cross_device_ops.CollectiveAllReduce(["/cpu:0", "/cpu:1"], 2, collective_util.Options())
     pipelines = [tf.data.Dataset.range(4).batch(2).unbatch(), tf.data.Dataset.range(4).ragged_batch(2)]
     return {
@@ -92,6 +93,10 @@ def _objects(strategy):
         # The type names met walking those pipelines, as attributes.
         "type names in a tf.data pipeline": [types.SimpleNamespace(**{
             type(node).__name__: type(node) for pipeline in pipelines for node in _pipeline(pipeline)})],
+        # The ops TensorFlow has registered by those names, as attributes.
+        "TensorFlow's registered ops": [types.SimpleNamespace(**{
+            name: op for name in seams.ATTRIBUTE_SEAMS["TensorFlow's registered ops"]
+            if (op := op_def_registry.get(name)) is not None})],
         "tf.__internal__.distribute": [tf.__internal__.distribute],
         "tf.__internal__.tracking": [tf.__internal__.tracking],
     }
@@ -505,19 +510,42 @@ def test_a_variable_written_while_its_value_is_held_moves_to_a_new_buffer(route)
     held = tf.raw_ops.ReadVariableOp(resource=variable.value.handle, dtype=tf.float32)
     copy = np.asarray(held).copy()
     address = _address(held)
+
+    def read_addresses():  # by ReadVariableOp, and by _ReadVariablesOp as the check reads (_read_all)
+        return {_address(variable.value.read_value()), _address(_read_all([variable.value])[0])}
     if route.startswith("scatter"):
         # A variable written sparsely is read as a copy from then on: never the same address twice.
-        assert _address(variable.value.read_value()) != address
+        assert address not in read_addresses()
     else:
-        assert _address(variable.value.read_value()) == address  # a read shares the buffer
+        assert read_addresses() == {address}  # a read shares the buffer
     write()
-    assert _address(variable.value.read_value()) != address
+    assert address not in read_addresses()
     np.testing.assert_array_equal(held, copy)  # what was held did not change
     if route in ("a tf.function", "an XLA tf.function"):
         del held
         address = _address(variable.value.read_value())
         write()
         assert _address(variable.value.read_value()) == address  # unheld: in place
+
+
+def test_many_variables_read_by_one_op_as_each_by_its_own(two_replicas):
+    """kmp.engine.buffers._read_all: TensorFlow's _ReadVariablesOp, one op per device, gives each
+    variable's value as ReadVariableOp does, in the buffer the variable holds, on both logical CPUs and
+    for every dtype; a traced read takes each variable's value()."""
+    with two_replicas.scope():
+        mirrored = [tf.Variable(tf.fill([64], float(k))) for k in range(3)]
+    components = [c for v in mirrored for c in two_replicas.experimental_local_results(v)]
+    plain = [tf.Variable(np.arange(6, dtype=dtype).reshape(2, 3)) for dtype in ("float32", "float16", "uint8")]
+    variables = components + plain
+    values = _read_all(variables)
+    assert [v.device for v in values] == [v.device for v in variables]
+    for variable, value in zip(variables, values):
+        one = tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
+        assert value.dtype == variable.dtype and _address(value) == _address(one)
+        np.testing.assert_array_equal(value, one)
+    traced = tf.function(lambda: _read_all(plain))()
+    for variable, value in zip(plain, traced):
+        np.testing.assert_array_equal(value, variable.numpy())
 
 
 def test_queued_ops_have_run_when_the_queue_is_left_and_an_error_does_not_stay():

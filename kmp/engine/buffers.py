@@ -154,7 +154,11 @@ class FlatBuffers:
         # Those first (the undecayed, then the decayed), then the other decayed ones: the variables with float32
         # states are then one run of the buffer, and the decayed ones another, `decay`.
         group = [(0 if d else -1) if k else (1 if d else 2) for k, d in zip(kept, decays)]
-        self.order = sorted(range(len(trainable)), key=group.__getitem__)
+        # In each group, the variables of one shape next to each other (in the order their shapes first
+        # appear): a copy out of the buffers then splits such a run by one op, not a reshape each (_CopyPlan).
+        first = {}
+        shape_of = [first.setdefault(tuple(v.shape), k) for k, v in enumerate(trainable)]
+        self.order = sorted(range(len(trainable)), key=lambda k: (group[k], shape_of[k]))
         self.variables = [trainable[i] for i in self.order]
         self.sizes = sizes(self.variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
@@ -239,6 +243,7 @@ class FlatBuffers:
         self._held = {}  # name -> [(Keras variable component, the tensor stored, its address)] (written_since_store)
         self._split_now = {}  # during a store: id of a buffer gathered whole -> its parts, for every replica
         self._plans = {}  # buffer name -> _CopyPlan
+        self._component_lists = {}  # (buffer name, local replica) -> _components
         self.missing = ()  # model positions of the variables without a gradient (see join)
         self._sparse_noted = False  # join's note on sparse gradients, said once
 
@@ -248,7 +253,8 @@ class FlatBuffers:
         nothing moves."""
         if self.layout.slots_on_host:
             slots = [v for name in self.slot_names for v in self.mirrors[name]]
-            zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy)
+            if zero.to_host(slots, zero.host(self.strategy)) if on_host else zero.to_replicas(slots, self.strategy):
+                self._component_lists = {}  # the slots' variables are new
 
     # --- In a step (replica context) ---
 
@@ -598,10 +604,11 @@ class FlatBuffers:
         component alone, through `variable.values`, is not seen).
         """
         held, self._held = self._held, {}
-        records = [(n, variable, address) for n in held for variable, _, address in held[n]]
+        records = [(n, variable, address) for n in held for variable, _, address in held[n] if address is not None]
         with _queued():  # every read made before the first address is asked for
-            values = [_read(variable) for _, variable, _ in records]
-        moved = {n for (n, _, address), value in zip(records, values) if address is None or _address(value) != address}
+            values = _read_all([variable for _, variable, _ in records])
+        moved = {n for n in held if any(address is None for _, _, address in held[n])}  # no address: unknown
+        moved |= {n for (n, _, address), value in zip(records, values) if _address(value) != address}
         return tuple(n for n in self.buffers if n not in held or n in moved)
 
     def forget_stores(self) -> None:
@@ -671,13 +678,21 @@ class FlatBuffers:
                 if k and ((n in whole and zero.on_host(self.mirrors[n][0])) or (direction == "load" and first_only)):
                     continue
                 buffers[n] = whole[n] if n in whole else local(self.buffers[n])[0 if first_only else k]
-            mirrors = {n: [_component(local(_tf_variable(v)), k) for v in self.mirrors[n]] for n in buffers}
+            mirrors = {n: self._components(n, k) for n in buffers}
             with tf.device(local(self.buffers["weights"])[k].device):
                 stored = copy(buffers, mirrors, replica * self.shard) or []
             if not k:  # a mirrored variable's components are written together: the first stands for all
                 written += stored
         self._split_now = {}
         return written
+
+    def _components(self, name: str, k: int) -> list:
+        """The k-th local replica's component of each Keras variable buffer `name` mirrors (a plain
+        tf.Variable): looked up once (until place_slots moves the slots), not per copy of hundreds."""
+        if (name, k) not in self._component_lists:
+            local = self.strategy.experimental_local_results
+            self._component_lists[name, k] = [_component(local(_tf_variable(v)), k) for v in self.mirrors[name]]
+        return self._component_lists[name, k]
 
     def _first(self, value):
         """The first replica's component of a distributed variable or value."""
@@ -694,7 +709,7 @@ class FlatBuffers:
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
-            flat = self._copy_plan(name).joined([_read(v) for v in mirrors[name]])
+            flat = self._copy_plan(name).joined(_read_all(mirrors[name]))
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
@@ -711,7 +726,7 @@ class FlatBuffers:
                 if not isinstance(buffer, tf.Variable):
                     self._split_now[id(buffer)] = parts
             for variable, part in zip(mirrors[name], parts):
-                _assign(variable, part)  # the variable takes the part's buffer (a slice of the flat one): no copy
+                _assign(variable, part)  # the variable takes the part's buffer: assigning copies nothing
                 stored.append((name, variable, part))
         return stored
 
@@ -740,18 +755,23 @@ class _CopyPlan:
             if scratch:
                 pieces.append(scratch)
             for shape, n, span in zip(shapes, sizes(shapes), spans):
-                # Each variable's piece (reshaped unless 1-D), then its padding, if any.
-                self.wanted.append((len(pieces), None if len(shape) == 1 else _shape_tensor(shape)))
                 self.flat.append(None if len(shape) == 1 else _shape_tensor((n,)))
                 self.pads.append(tf.fill((span - n,), tf.constant(pad, dtype)) if span > n else None)
-                pieces += [n, span - n] if span > n else [n]
+            for shape, count, n, padding in _runs(shapes, spans):
+                # Each run's piece, reshaped unless 1-D (a run of several split by one Unpack), then its padding.
+                self.wanted.append((len(pieces), count, None if len(shape) == 1 and count == 1
+                                    else _shape_tensor(shape if count == 1 else (count, *shape))))
+                pieces += [count * n, padding] if padding else [count * n]
             self.splits, self.count = tf.constant(pieces, tf.int64), len(pieces)
             self.axis = tf.constant(0, tf.int32)
 
     def parts(self, flat) -> list:
-        parts = tf.raw_ops.SplitV(value=flat, size_splits=self.splits, axis=self.axis, num_split=self.count)
-        return [parts[k] if shape is None else tf.raw_ops.Reshape(tensor=parts[k], shape=shape)
-                for k, shape in self.wanted]
+        parts, out = tf.raw_ops.SplitV(value=flat, size_splits=self.splits, axis=self.axis, num_split=self.count), []
+        for k, count, shape in self.wanted:
+            part = parts[k] if shape is None else tf.raw_ops.Reshape(tensor=parts[k], shape=shape)
+            # Unpack along the first axis slices the run's buffer where SplitV does (pieces of 64-byte multiples).
+            out += [part] if count == 1 else tf.raw_ops.Unpack(value=part, num=count, axis=0)
+        return out
 
     def joined(self, values):
         pieces = [] if self.lead is None else [self.lead]
@@ -760,6 +780,20 @@ class _CopyPlan:
             if pad is not None:
                 pieces.append(pad)
         return pieces[0] if len(pieces) == 1 else tf.raw_ops.ConcatV2(values=pieces, axis=self.axis)
+
+
+def _runs(shapes, spans):
+    """(shape, count, elements, padding after) of each run of variables of one shape, at least 2-D, with no padding
+    between them; every other variable a run of its own."""
+    runs = []
+    for shape, n, span in zip(shapes, sizes(shapes), spans):
+        last = runs[-1] if runs else None
+        if last and len(shape) > 1 and last[0] == shape and not last[3]:
+            last[1] += 1
+            last[3] = span - n
+        else:
+            runs.append([shape, 1, n, span - n])
+    return [tuple(run) for run in runs]
 
 
 class _Prefix:
@@ -808,6 +842,28 @@ def _read(variable):
     if tf.executing_eagerly():
         return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
     return variable.value()
+
+
+def _read_all(variables) -> list:
+    """Each variable's `_read` value; eagerly, those in host memory by one op per device: TensorFlow's
+    _ReadVariablesOp reads many as ReadVariableOp reads one (the buffers they hold, no copy), for the Python
+    of one op (the check reads hundreds; kmp.seams)."""
+    if not tf.executing_eagerly():
+        return [variable.value() for variable in variables]
+    values, groups = [None] * len(variables), {}
+    for k, variable in enumerate(variables):
+        if _on_host(variable.device):
+            groups.setdefault(variable.device, []).append(k)
+        else:
+            values[k] = _read(variable)
+    for device, ks in groups.items():
+        dtypes = [variables[k].dtype.as_datatype_enum for k in ks]
+        with tf.device(device):
+            read = seams.get("execute")("_ReadVariablesOp", num_outputs=len(ks), inputs=[variables[k].handle for k in ks],
+                                        attrs=("N", len(ks), "dtypes", dtypes), ctx=seams.get("eager_context")())
+        for k, value in zip(ks, read):
+            values[k] = value
+    return values
 
 
 def _address(tensor) -> tuple | None:

@@ -117,8 +117,10 @@ def all_gather_slots(buffers):
     return {n: tf.cast(gathered[n], tf.uint8) if slots[n].dtype == tf.uint8 else gathered[n] for n in slots}
 
 
-def to_host(variables, device: str) -> None:
-    """Each Keras variable's mirrored TensorFlow variable replaced by one plain variable on `device`, same value."""
+def to_host(variables, device: str) -> bool:
+    """Each Keras variable's mirrored TensorFlow variable replaced by one plain variable on `device`, same value.
+    Whether any was."""
+    moved = False
     for variable in variables:
         value = variable.value
         if not isinstance(value, tf.distribute.DistributedValues):
@@ -127,6 +129,8 @@ def to_host(variables, device: str) -> None:
             # ResourceVariable itself: tf.Variable inside a strategy's scope would be mirrored again.
             variable._value = seams.get("ResourceVariable")(
                 initial_value=value.read_value(), trainable=False, name=value.name.split(":")[0])
+        moved = True
+    return moved
 
 
 def to_replicas(variables, strategy) -> bool:
