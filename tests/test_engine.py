@@ -551,8 +551,7 @@ def _same_shapes(strategy=None, optimizer="adam"):
     return model
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adamw8bit"])
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas, optimizer", [(1, "adamw8bit"), (2, "adam")])
 def test_variables_of_one_shape_are_stored_as_one_run_and_train_as_the_per_variable_path(replicas, optimizer,
                                                                                           two_replicas):
     """The variables of one shape lie next to each other in the buffers, and a store splits them by one op

@@ -28,7 +28,9 @@ Which of these a model gets is its layout (kmp.engine.layout), chosen once.
 Layout: the trainable variables (all float32: mixed precision keeps float32
 masters) in Keras's `model.trainable_variables` order, except that the ones
 the optimizer decays are one run, so weight decay is `start <= index < end`
-(with 8-bit states, the variables that keep float32 ones come first). Each
+(with 8-bit states, the variables that keep float32 ones come first), and
+in each run the variables of one shape lie together (a copy out splits
+them by one op). Each
 buffer is a variable of the model's strategy (mirrored: each replica owns a
 component) that Keras does not track: checkpoints and `.keras` files hold the
 Keras variables only, in Keras's format (kmp.engine copies the buffers into
@@ -607,7 +609,7 @@ class FlatBuffers:
         records = [(n, variable, address) for n in held for variable, _, address in held[n] if address is not None]
         with _queued():  # every read made before the first address is asked for
             values = _read_all([variable for _, variable, _ in records])
-        moved = {n for n in held if any(address is None for _, _, address in held[n])}  # no address: unknown
+        moved = {n for n in held if any(address is None for _, _, address in held[n])}  # not in host memory
         moved |= {n for (n, _, address), value in zip(records, values) if _address(value) != address}
         return tuple(n for n in self.buffers if n not in held or n in moved)
 
