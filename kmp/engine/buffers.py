@@ -379,20 +379,14 @@ class FlatBuffers:
         """Per trainable variable (model order): True iff its part of `flat` is finite. `flat` is
         join's whole gradient, or the part of it that starts at element `offset` (a shard: the
         variables outside it count as finite)."""
-        count = len(self.spans)
-        if overflow.in_xla():
-            # Inside a whole-step XLA computation the segment ids of tf.repeat
-            # get a padded dynamic shape past a few million elements: one
-            # reduction per variable instead (compiled, run on an overflow only).
-            # Each variable's [start, end) in `flat` (slices past its end are empty).
-            starts = np.cumsum([0] + self.spans[:-1]) - offset
-            ok = tf.stack([tf.reduce_all(tf.math.is_finite(flat[max(start, 0):max(start + span, 0)]))
-                           for start, span in zip(starts, self.spans)])
-        else:
-            # The padding past the last variable is a segment of its own, dropped.
-            ids = tf.concat([self._segments(), tf.fill([self.length - self.size], count)], axis=0)
-            ids = ids[offset:offset + flat.shape[0]]
-            ok = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(flat), tf.int32), ids, count + 1)[:count] > 0
+        # The non-finite elements counted up to each variable's end: no index of the buffer's size. Grappler
+        # constant-folds tf.repeat's segment ids through a [variables, largest variable] tile, and
+        # TensorFlow's CPU allocator keeps that peak (about 1 GB for a 5M-parameter GPT-2; benchmarks/memory.py).
+        ends = np.cumsum(self.spans) - offset  # each variable's end in `flat`, clipped to it below
+        ends = np.clip(ends, 0, flat.shape[0])
+        bad = tf.concat([[0], tf.cumsum(tf.cast(~tf.math.is_finite(flat), tf.int32))], axis=0)
+        at_ends = tf.gather(bad, ends)
+        ok = at_ends - tf.concat([[0], at_ends[:-1]], axis=0) == 0
         return tf.gather(ok, tf.argsort(self.order))
 
     def shard_offset(self) -> int:
@@ -637,10 +631,6 @@ class FlatBuffers:
             pieces += [n, span - n] if span > n else [n]
         parts = tf.split(flat, pieces)
         return [_reshaped(parts[k], s) for k, s in zip(keep, self.shapes)]
-
-    def _segments(self):
-        """Each element's variable (its index in buffer order)."""
-        return tf.repeat(tf.range(len(self.spans)), self.spans)
 
     def _copy(self, direction: str, names: tuple) -> None:
         # Component by component, each on its own device. Eagerly (planned bare ops, _CopyPlan); a load
