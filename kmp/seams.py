@@ -53,6 +53,14 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "keras.src.utils.tracking", "DotNotTrackScope",
         "kmp.LossScaleOptimizer.build: state variables are tracked once, as Keras's build does",
     ),
+    "AutocastScope": (
+        "keras.src.backend", "AutocastScope",
+        "kmp.prepare(activation_checkpointing=...): a block's recomputation casts its weights as its forward pass did",
+    ),
+    "get_autocast_scope": (
+        "keras.src.backend", "get_autocast_scope",
+        "kmp.prepare(activation_checkpointing=...): the autocast dtype a block's forward pass ran in",
+    ),
     "in_xla_context": (
         "tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext",
         "kmp.LossScaleOptimizer: no tf.print or assert inside XLA",

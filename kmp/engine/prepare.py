@@ -28,7 +28,7 @@ import tensorflow as tf
 from kmp import seams, values
 from kmp.distribute.leaving import leave_last
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, host_batches, iterators, overflow_layer, replica_step, state, wall_clock
+from kmp.engine import engine, host_batches, iterators, overflow_layer, recompute, replica_step, state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overflow_layer: bool = True,
-            flat_buffers: bool | str = "auto", wall_clock_breakdown: bool | int | str = "auto") -> keras.Model:
+            flat_buffers: bool | str = "auto", wall_clock_breakdown: bool | int | str = "auto",
+            activation_checkpointing: bool | str | list = "auto") -> keras.Model:
     """Make `model.fit()` work, and fast, under tf.distribute strategies; returns `model`.
 
     Call it after creating the model (in the strategy's scope, as Keras
@@ -86,6 +87,15 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     them in the logs. "auto": what `kmp.wrap` was told (the config's key),
     else off. On one device the timed step is not compiled as one XLA
     computation (a stamp cannot be placed inside one); this is said once.
+
+    `activation_checkpointing` (kmp.engine.recompute): True recomputes each
+    block's activations in the backward pass instead of keeping them: the
+    blocks are every instance of the most repeated class of layers that
+    hold layers (a keras-hub transformer's blocks; said in one line, as is a
+    model where no class repeats). A list of layer names or classes names
+    the blocks. "auto": on if the DeepSpeed config `kmp.wrap` was given has
+    an `activation_checkpointing` block, else off. False: off (the blocks'
+    own calls back).
 
     A `keras.optimizers.LossScaleOptimizer` on the model (compile() wraps any
     optimizer in it under mixed_float16) is replaced by kmp's on the same
@@ -153,13 +163,18 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
             and wall_clock_breakdown >= 1):
         problems.append(Problem("wall_clock_breakdown", '"auto", True, False or the steps between lines (>= 1)',
                                 wall_clock_breakdown))
+    blocks = recompute.blocks_of(model, activation_checkpointing, problems)
     check(problems, "kmp.distribute.prepare arguments")
     kept = state.ensure(model)  # model.__dict__["_kmp"]: all kmp keeps on the model
-    settings = (jit_compile, find_overflow_layer, flat_buffers, wall_clock_breakdown)
+    if isinstance(activation_checkpointing, (list, tuple)):
+        activation_checkpointing = tuple(activation_checkpointing)
+    settings = (jit_compile, find_overflow_layer, flat_buffers, wall_clock_breakdown, activation_checkpointing)
     if kept.prepared and kept.settings != settings:
         model.train_function = None  # built with the old settings: rebuild at the next fit()
-    kept.jit_compile, kept.find_overflow_layer, kept.flat_buffers, kept.wall_clock_breakdown = settings
+    (kept.jit_compile, kept.find_overflow_layer, kept.flat_buffers, kept.wall_clock_breakdown,
+     kept.activation_checkpointing) = settings
     kept.prepared = True
+    recompute.apply(model, blocks)
     leave_last(model.distribute_strategy)  # a strategy users built themselves, not resolve_strategy's
     _with_kmp_loss_scaling(model)
     if flat_buffers:

@@ -18,7 +18,8 @@ import dataclasses
 from typing import Any
 
 KEY = "_kmp"
-SETTINGS = ("jit_compile", "find_overflow_layer", "flat_buffers", "wall_clock_breakdown")  # prepare's arguments
+SETTINGS = ("jit_compile", "find_overflow_layer", "flat_buffers", "wall_clock_breakdown",
+            "activation_checkpointing")  # prepare's arguments
 
 
 @dataclasses.dataclass(eq=False)
@@ -29,7 +30,8 @@ class Prepared:
     find_overflow_layer: bool = True
     flat_buffers: bool | str = False
     wall_clock_breakdown: bool | int | str = "auto"
-    prepared: bool = False  # kmp.prepare(model) was called: the four above are what it was given
+    activation_checkpointing: bool | str | tuple = "auto"
+    prepared: bool = False  # kmp.prepare(model) was called: the five above are what it was given
 
     # Caches, made when first needed.
     engine: Any = None  # kmp.engine.engine.Engine: the flat buffers fit() trains
