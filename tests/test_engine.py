@@ -874,3 +874,18 @@ def test_the_eager_copies_raw_ops_read_write_and_check_shapes_as_assign_does():
     np.testing.assert_array_equal(variable.numpy(), np.arange(6).reshape(2, 3))
     # The same shape tensor serves every call with that shape.
     assert buffers._shape_tensor((2, 3)) is buffers._shape_tensor((2, 3))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_new_compile_with_the_same_optimizer_trains_and_reports_the_new_loss(replicas, two_replicas):
+    """compile(optimizer=model.optimizer, loss=...) after a prepared fit(): the next fit() minimises and reports
+    the new loss, as stock Keras's (the unprepared model, under the same strategy) does."""
+    strategy = two_replicas if replicas == 2 else None
+    x, y = _data()
+    losses = []
+    for model in (_model(strategy, "adam"), kmp.prepare(_model(strategy, "adam"), flat_buffers=True)):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        with model.distribute_strategy.scope():
+            model.compile(optimizer=model.optimizer, loss="mae")
+        losses.append(model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)

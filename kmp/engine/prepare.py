@@ -575,6 +575,7 @@ def _engine_for(model):
         current = state.ensure(model).engine = engine.Engine(model)
     else:
         current.buffers.place_slots(on_host=True)  # back from a per-variable fit (_no_engine)
+        current.forget_compiled()
     return current
 
 
