@@ -441,6 +441,11 @@ _ZERO_STAGES = {
 }
 
 
+def zero_stage_note(key: str, stage: int) -> str:
+    """What is said where `key` asks for ZeRO stage 2 or 3, which kmp runs as stage 1."""
+    return f"{key} is {stage}: {_ZERO_STAGES[stage]}. The training is the same; the memory saved is less."
+
+
 def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     """(stage, warnings, problems) of a `zero_optimization` block. Training is the same; memory is not."""
     if isinstance(block, bool):  # DeepSpeed's legacy form: true is stage 1
@@ -451,10 +456,7 @@ def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     stage = block.get("stage", 0)
     if not int_in("zero_optimization.stage", stage, 0, problems, high=3, fix="DeepSpeed's stages are 0 to 3."):
         return 0, [], problems
-    notes = []
-    if stage > 1:
-        notes.append(f"zero_optimization.stage is {stage}: {_ZERO_STAGES[stage]}. The training is the same; "
-                     "the memory saved is less.")
+    notes = [zero_stage_note("zero_optimization.stage", stage)] if stage > 1 else []
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if isinstance(block.get(k), Mapping) and str(block[k].get("device", "none")).lower() != "none"]
     if block.get("cpu_offload") is True:
