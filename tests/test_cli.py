@@ -520,6 +520,18 @@ def test_config_check_exit_codes_for_ci(tmp_path):
     assert run_kmp("config", "check", str(unknown), "--strict").returncode == 1
 
 
+def test_config_check_fails_on_a_zero_block_deepspeed_would_refuse(tmp_path, capsys):
+    path = tmp_path / "zero.json"
+    path.write_text('{"zero_optimization": {"stage": 1, "reduce_bucket_sizee": 5, "overlap_comm": "yes", '
+                    '"reduce_bucket_size": -5}}')
+    for strict in ([], ["--strict"]):
+        assert cli.main(["config", "check", str(path), *strict]) == 1
+        out = capsys.readouterr().out
+        assert "zero_optimization.reduce_bucket_sizee" in out and "Did you mean 'reduce_bucket_size'?" in out
+        assert "zero_optimization.overlap_comm: expected true, false or null" in out
+        assert "zero_optimization.reduce_bucket_size: expected an integer >= 0" in out
+
+
 def test_config_check_notes_a_decay_shorter_than_warmup_once(tmp_path):
     from kmp.cli import config_check
 
