@@ -458,6 +458,17 @@ def test_the_demo_in_float32_warns_about_nothing(recwarn, capsys):
     assert [str(w.message) for w in recwarn if "/kmp/" in w.filename] == []
 
 
+def test_the_demo_in_bfloat16_learns_from_float32_masters(capsys):
+    """Its bfloat16 weights train on kmp.prepare's flat buffers from float32 masters (docs/precision.md): in
+    bfloat16 itself, Keras's AdamW does not move them (test accuracy 0.08, chance)."""
+    with pytest.warns(UserWarning, match="keeps the weights themselves in bfloat16"):
+        assert cli.main(["demo", "--precision", "bfloat16", "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in out.splitlines()
+                  if not line.startswith("kmp demo: "))
+    assert values["update"] == "flat buffers (kmp.engine)" and float(values["test accuracy"]) > 0.5
+
+
 @pytest.mark.parametrize("hardware, says", [
     (kmp.Hardware("cpu"), "kmp demo: mixed_float16 on CPU: CPUs have no fast float16 math; it runs slower than "
                           "float32. The demo uses it to show dynamic loss scaling"),

@@ -21,11 +21,20 @@ def test_float16_policy_gets_a_loss_scale_optimizer_with_python_defaults():
     assert opt.loss_scale_config == kmp.LossScaleConfig()
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_no_loss_scaling_without_float16_compute(policy):
     keras.config.set_dtype_policy(policy)
     inner = keras.optimizers.SGD()
     assert kmp.wrap(inner) is inner
+
+
+def test_bfloat16_weights_get_kmps_optimizer_at_a_static_scale_of_1():
+    """kmp.prepare's flat buffers train them from float32 masters, with kmp's optimizer (docs/precision.md)."""
+    keras.config.set_dtype_policy("bfloat16")
+    inner = keras.optimizers.SGD()
+    wrapped = kmp.wrap(inner)
+    assert type(wrapped) is LossScaleOptimizer and wrapped.inner_optimizer is inner
+    assert wrapped.loss_scale_config.static_scale == 1
 
 
 def test_precision_argument_wins_and_leaves_the_global_policy_alone():

@@ -76,7 +76,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     predict, save, save_weights, get_weights, set_weights, load_weights and
     fit are wrapped on this instance. "auto" falls back to the per-variable
     path, with a one-line note, where the buffers do not apply (an optimizer
-    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; non-float32 variables;
+    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; float64 variables;
     see kmp.engine.buffers.support); True says the same as a warning. False: off.
 
     `wall_clock_breakdown` (kmp.engine.wall_clock): True or N prints, every N steps

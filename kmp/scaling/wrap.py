@@ -119,13 +119,14 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
                           "replicas; on one device its one shard is the whole state.", UserWarning, stacklevel=2)
     if chosen.needs_loss_scaling:
         wrapped = LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
-    elif replicas > 1 or steps is not None or clip is not None or settings.zero_stage:
+    elif replicas > 1 or steps is not None or clip is not None or settings.zero_stage or chosen.name == "bfloat16":
         # Keras clips each replica's local gradient before its all-reduce (and
         # wrap, called outside strategy.scope(), cannot know the replicas),
         # and its own accumulation fails under tf.distribute. kmp's optimizer
         # does both right; a static scale of 1 is that pipeline without
         # scaling, and it skips non-finite steps. zero_stage, wherever wrap is called: its shards are made in
-        # the scope the model trains in.
+        # the scope the model trains in. bfloat16 weights: kmp.prepare's flat buffers train them from float32
+        # masters, with kmp's optimizer.
         wrapped = LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
     elif settings.wall_clock_breakdown:
         # A copy, unless built (its state would be lost): then the one attribute below is set on it.
