@@ -74,6 +74,23 @@ def test_config_enables_fp16_but_the_policy_is_float32_warns():
     assert isinstance(opt, LossScaleOptimizer)
 
 
+@pytest.mark.parametrize("precision, policy", [("mixed_float16", "float32"), ("16-mixed", "mixed_bfloat16"),
+                                               ("float32", "mixed_float16")])
+def test_a_precision_argument_the_policy_does_not_compute_in_warns_as_a_configs_does(precision, policy):
+    keras.config.set_dtype_policy(policy)
+    chosen = kmp.resolve_precision(precision)
+    with pytest.warns(UserWarning) as record:
+        kmp.wrap(keras.optimizers.SGD(), precision=precision)
+    assert [str(r.message) for r in record] == [
+        f"kmp.wrap was given precision {chosen} but the global Keras policy computes in "
+        f"{policy.removeprefix('mixed_')}, so layers built now will not use {chosen.compute_dtype}. Set the policy "
+        f"before building the model: kmp.set_precision('{chosen}')."]
+    keras.config.set_dtype_policy(chosen.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmp.wrap(keras.optimizers.SGD(), precision=precision)  # they agree: nothing to say
+
+
 def test_config_without_precision_follows_the_policy():
     keras.config.set_dtype_policy("mixed_float16")
     with warnings.catch_warnings():

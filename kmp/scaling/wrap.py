@@ -262,17 +262,20 @@ def _as_optimizer(optimizer) -> keras.optimizers.Optimizer:
 
 
 def _choose_precision(precision, settings: Config) -> Precision:
-    if precision is not None:
-        return resolve_precision(precision)
     policy = resolve_precision(keras.config.dtype_policy())
-    if settings.precision == "fp32":
+    if precision is not None:
+        chosen = resolve_precision(precision)
+        asked = f"kmp.wrap was given precision {chosen}"
+    elif settings.precision == "fp32":
         return policy
-    chosen = resolve_precision(settings)
+    else:
+        chosen, asked = resolve_precision(settings), f"The config asks for {settings.precision}"
+    # The optimizer follows `chosen`; the model's layers follow the global policy.
     if chosen.compute_dtype != policy.compute_dtype:
         warnings.warn(
-            f"The config asks for {settings.precision} but the global Keras policy computes in "
-            f"{policy.compute_dtype}, so layers built now will not use {chosen.compute_dtype}. "
-            f"Set the policy before building the model: kmp.set_precision({str(chosen)!r}).",
+            f"{asked} but the global Keras policy computes in {policy.compute_dtype}, so layers built now will not "
+            f"use {chosen.compute_dtype}. Set the policy before building the model: "
+            f"kmp.set_precision({str(chosen)!r}).",
             stacklevel=3,
         )
     return chosen
