@@ -12,13 +12,12 @@
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
 - Unknown keys inside a block (fp16, bf16, kmp, zero_optimization) are
-  errors with a did-you-mean, as DeepSpeed's own config models refuse
-  them: a misspelled
-  `hysterisis` that silently keeps the default is the bug this module exists
-  to catch. Unknown top-level keys are named in one warning and the file loads,
-  as DeepSpeed ignores them (`strict=True` makes them errors). Keys DeepSpeed
-  knows but kmp does not act on (monitors, profilers, ...) are named together
-  in one warning.
+  errors with a did-you-mean, as DeepSpeed's own config models refuse them:
+  a misspelled `hysterisis` that silently keeps the default is the bug this
+  module exists to catch. Unknown top-level keys are named in one warning
+  and the file loads, as DeepSpeed ignores them (`strict=True` makes them
+  errors). Keys DeepSpeed knows but kmp does not act on (monitors,
+  profilers, ZeRO's buckets, ...) are named together in one warning.
 - The `optimizer` block is read by kmp.config.optimizer_block, the `scheduler` block by
   kmp.schedules.formulas, `zero_optimization` here (its stage; what kmp does instead
   is warned about; its other keys: kmp.config.zero_block). Hugging Face's

@@ -1,6 +1,6 @@
 """The `zero_optimization` block's keys and value types, as DeepSpeed's own block model declares them.
 
-    problems, not_acted_on = check(block)     # the block's keys and values, checked
+    unknown, problems, not_acted_on = check(block)     # the block's keys and values, checked
 
 kmp acts on `stage` and the offload keys (kmp.config.deepspeed says what it
 does instead); every other key tunes DeepSpeed's own ZeRO implementation
