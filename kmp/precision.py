@@ -255,6 +255,11 @@ def set_precision(value: PrecisionLike, *, hardware: Hardware | None = None) -> 
     """Resolve, check against the hardware, and set Keras's global dtype policy."""
     p = resolve_precision(value, hardware=hardware)
     check_hardware(p, hardware)
+    if p.variable_dtype in ("bfloat16", "float16"):
+        warnings.warn(f"precision '{p}' keeps the weights themselves in {p.variable_dtype}. kmp.prepare(model), with "
+                      f"kmp.wrap's optimizer, trains them from float32 master weights; any other update (Keras's "
+                      f"own) is made in {p.variable_dtype} and loses the small ones (Keras's Adam does not move them "
+                      f"at all). 'mixed_{p.variable_dtype}' keeps float32 weights.", UserWarning, stacklevel=2)
     keras.config.set_dtype_policy(p.policy())
     return p
 

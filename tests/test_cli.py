@@ -458,6 +458,17 @@ def test_the_demo_in_float32_warns_about_nothing(recwarn, capsys):
     assert [str(w.message) for w in recwarn if "/kmp/" in w.filename] == []
 
 
+def test_the_demo_in_bfloat16_learns_from_float32_masters(capsys):
+    """Its bfloat16 weights train on kmp.prepare's flat buffers from float32 masters (docs/precision.md): in
+    bfloat16 itself, Keras's AdamW does not move them (test accuracy 0.08, chance)."""
+    with pytest.warns(UserWarning, match="keeps the weights themselves in bfloat16"):
+        assert cli.main(["demo", "--precision", "bfloat16", "--epochs", "1"]) == 0
+    out = capsys.readouterr().out
+    values = dict(re.match(r"(\w[\w ]*?)\s{2,}(.*)", line).groups() for line in out.splitlines()
+                  if not line.startswith("kmp demo: "))
+    assert values["update"] == "flat buffers (kmp.engine)" and float(values["test accuracy"]) > 0.5
+
+
 @pytest.mark.parametrize("hardware, says", [
     (kmp.Hardware("cpu"), "kmp demo: mixed_float16 on CPU: CPUs have no fast float16 math; it runs slower than "
                           "float32. The demo uses it to show dynamic loss scaling"),
@@ -518,6 +529,18 @@ def test_config_check_exit_codes_for_ci(tmp_path):
     unknown.write_text('{"cuda_visible_devices": "0"}')
     assert run_kmp("config", "check", str(unknown)).returncode == 0
     assert run_kmp("config", "check", str(unknown), "--strict").returncode == 1
+
+
+def test_config_check_fails_on_a_zero_block_deepspeed_would_refuse(tmp_path, capsys):
+    path = tmp_path / "zero.json"
+    path.write_text('{"zero_optimization": {"stage": 1, "reduce_bucket_sizee": 5, "overlap_comm": "yes", '
+                    '"reduce_bucket_size": -5}}')
+    for strict in ([], ["--strict"]):
+        assert cli.main(["config", "check", str(path), *strict]) == 1
+        out = capsys.readouterr().out
+        assert "zero_optimization.reduce_bucket_sizee" in out and "Did you mean 'reduce_bucket_size'?" in out
+        assert "zero_optimization.overlap_comm: expected true, false or null" in out
+        assert "zero_optimization.reduce_bucket_size: expected an integer >= 0" in out
 
 
 def test_config_check_notes_a_decay_shorter_than_warmup_once(tmp_path):

@@ -164,8 +164,8 @@ def test_configs_are_frozen_values():
     assert hash(Config()) == hash(Config())
 
 
-@pytest.mark.parametrize("module", ["config/settings.py", "errors.py", "config/deepspeed.py", "scaling/state.py",
-                                    "values.py"])
+@pytest.mark.parametrize("module", ["config/settings.py", "errors.py", "config/deepspeed.py",
+                                    "config/zero_block.py", "scaling/state.py", "values.py"])
 def test_pure_modules_import_no_tensorflow_or_keras(module):
     tree = ast.parse((Path(__file__).parent.parent / "kmp" / module).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -555,3 +555,36 @@ def test_zero_optimization_stages_load_with_what_kmp_does_instead():
     with pytest.warns(UserWarning, match="kmp does not offload"):
         load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert _problems({"zero_optimization": {"stage": 4}}).problems[0].path == "zero_optimization.stage"
+
+
+def test_the_zero_block_is_checked_as_deepspeeds_block_model_checks_it():
+    """Its keys and value types are DeepSpeedZeroConfig's (kmp.config.zero_block): every problem named at once."""
+    error = _problems({"zero_optimization": {"stage": 1, "reduce_bucket_sizee": 5, "overlap_comm": "yes",
+                                             "reduce_bucket_size": -5}})
+    assert {p.path: (p.expected, p.fix) for p in error.problems} == {
+        "zero_optimization.reduce_bucket_sizee": ("a key of zero_optimization that kmp or DeepSpeed knows",
+                                                  "Did you mean 'reduce_bucket_size'?"),
+        "zero_optimization.overlap_comm": ("true, false or null", ""),
+        "zero_optimization.reduce_bucket_size": ("an integer >= 0", ""),
+    }
+    error = _problems({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1.5, "leaf_module": [],
+                                             "offload_optimizer": {"devise": "cpu", "ratio": 2}}})
+    assert {p.path for p in error.problems} == {
+        "zero_optimization.offload_optimizer.devise", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.leaf_module", "zero_optimization.offload_optimizer.ratio"}
+    assert "Did you mean 'device'?" in str(error)
+
+
+def test_deepspeeds_zero_keys_load_and_those_kmp_does_not_act_on_are_named_in_one_warning():
+    # Integers written as JSON floats (5e8), null where DeepSpeed declares Optional, "auto" (left out, as
+    # DeepSpeed's models leave it), a stage 3 key by its field name, and a disabled offload: all DeepSpeed's.
+    block = {"stage": 1, "overlap_comm": None, "reduce_bucket_size": 5e8, "stage3_max_live_parameters": "auto",
+             "prefetch_bucket_size": 0, "offload_optimizer": {"device": "none", "pin_memory": True}, "cpu_offload": False}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert load_config({"zero_optimization": block}).zero_stage == 1
+    assert [str(r.message) for r in record] == [
+        "kmp does not act on these keys of the DeepSpeed config, and ignores them: zero_optimization.overlap_comm, "
+        "zero_optimization.reduce_bucket_size, zero_optimization.stage3_max_live_parameters, "
+        "zero_optimization.prefetch_bucket_size. Keep them if DeepSpeed reads the same file; remove them to silence "
+        "this warning."]

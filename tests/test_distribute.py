@@ -217,6 +217,24 @@ def _model(seed=0, units=8):
     return model
 
 
+def test_a_model_built_on_one_device_and_trained_in_a_strategys_scope_is_refused_in_one_sentence(two_replicas):
+    """Its variables are not on the strategy's replicas: stock Keras fails with an AssertionError, the prepared
+    step deep in its graph. Evaluation there runs, as in stock Keras."""
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16,), "int32")
+    model = kmp.prepare(_model())
+    model.fit(x, y, batch_size=8, verbose=0)
+    for train in (lambda: model.fit(x, y, batch_size=8, verbose=0), lambda: model.train_on_batch(x, y)):
+        with two_replicas.scope(), pytest.raises(ValueError) as info:
+            train()
+        assert str(info.value) == (
+            f"kmp: {model.name} was built outside any strategy's scope, and is trained inside a MirroredStrategy's "
+            "scope, whose replicas its variables are not on: build and compile the model inside that `with "
+            "strategy.scope():`, or train it outside the scope.")
+    with two_replicas.scope():
+        model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=8, verbose=0)  # outside: as before
+
+
 def test_prepare_changes_this_instance_only():
     stock = {name: getattr(keras.Model, name) for name in trainer._REPLACEMENTS}
     ours, other = _model(), _model()

@@ -150,8 +150,12 @@ def _expect_config_optimizer(ns):
     assert optimizer.get_config()["hysteresis"] == 2
     assert type(optimizer.inner_optimizer).__name__ == "AdamW"  # the file's optimizer block
     assert optimizer.inner_optimizer.weight_decay == 0.01
-    hf = ns["hf_optimizer"]  # float32 policy: "auto" fp16/bf16 are off, so a plain AdamW with the template's schedule
-    assert type(hf).__name__ == "AdamW" and type(hf._learning_rate).__name__ == "DeepSpeedLearningRate"
+    # float32 policy: "auto" fp16/bf16 are off, so no loss scaling; the template's ZeRO stage keeps kmp's optimizer
+    # (a static scale of 1) around an AdamW with the template's schedule.
+    hf = ns["hf_optimizer"]
+    assert isinstance(hf, kmp.LossScaleOptimizer) and hf.zero_stage == 1 and not hf.loss_scale_config.dynamic
+    inner = hf.inner_optimizer
+    assert type(inner).__name__ == "AdamW" and type(inner._learning_rate).__name__ == "DeepSpeedLearningRate"
 
 
 def _expect_one_window(ns):

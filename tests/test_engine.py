@@ -874,3 +874,56 @@ def test_the_eager_copies_raw_ops_read_write_and_check_shapes_as_assign_does():
     np.testing.assert_array_equal(variable.numpy(), np.arange(6).reshape(2, 3))
     # The same shape tensor serves every call with that shape.
     assert buffers._shape_tensor((2, 3)) is buffers._shape_tensor((2, 3))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_new_compile_with_the_same_optimizer_trains_and_reports_the_new_loss(replicas, two_replicas):
+    """compile(optimizer=model.optimizer, loss=...) after a prepared fit(): the next fit() minimises and reports
+    the new loss, as stock Keras's (the unprepared model, under the same strategy) does."""
+    strategy = two_replicas if replicas == 2 else None
+    x, y = _data()
+    losses = []
+    for model in (_model(strategy, "adam"), kmp.prepare(_model(strategy, "adam"), flat_buffers=True)):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        with model.distribute_strategy.scope():
+            model.compile(optimizer=model.optimizer, loss="mae")
+        losses.append(model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+
+
+def test_bfloat16_weights_train_from_float32_masters_as_mixed_bfloat16_weights_train():
+    """The "bfloat16" policy's weights on the flat buffers: the same float32 masters and training as
+    mixed_bfloat16's float32 weights (both compute in bfloat16, from the weights rounded), the variables being
+    the masters rounded.
+    Updated per variable, in bfloat16, Adam does not move them (its bias correction is 0 there), and kmp says so."""
+    import warnings
+
+    x, y = _data()
+    models, start = {}, None
+    for policy, flat in (("bfloat16", True), ("mixed_bfloat16", True), ("bfloat16", False)):
+        keras.config.set_dtype_policy(policy)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+        kmp.prepare(model, flat_buffers=flat)
+        start = start or [w.astype("float32") for w in model.get_weights()]  # bfloat16 values: the same start
+        model.set_weights(start)
+        before = [np.array(v.numpy(), "float32") for v in model.trainable_variables]
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        said = [str(r.message) for r in record if "weights in their own dtype" in str(r.message)]
+        models[policy, flat] = model, before, said
+    (mixed, _, _), (pure, _, pure_said) = models["mixed_bfloat16", True], models["bfloat16", True]
+    assert {v.dtype for v in pure.trainable_variables} == {"bfloat16", "float32"}  # the output layer is float32
+    masters = [engine.engine_of(m).buffers.buffers["weights"].numpy() for m in (mixed, pure)]
+    np.testing.assert_allclose(masters[1], masters[0], rtol=1e-6, atol=1e-7)
+    for a, b in zip(pure.trainable_variables, mixed.trainable_variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy().astype(a.dtype))
+    assert pure_said == []
+    stock, before, said = models["bfloat16", False]
+    sixteen = [k for k, v in enumerate(stock.trainable_variables) if v.dtype == "bfloat16"]
+    after = [np.array(v.numpy(), "float32") for v in stock.trainable_variables]
+    _assert_close([before[k] for k in sixteen], [after[k] for k in sixteen], rtol=0, atol=0)
+    assert len(said) == 1 and "kmp.prepare(model)'s flat buffers train them from float32 master weights" in said[0]

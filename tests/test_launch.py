@@ -209,3 +209,15 @@ def test_the_causal_lm_recipe_runs_under_kmp_launch(tmp_path):
     assert len(numbers) == 1, finals
     loss = float(finals[0].split("test loss ", 1)[1].split(" ", 1)[0])
     assert math.isfinite(loss) and "optimizer steps 2" in finals[0]
+
+
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan"])
+def test_a_timeout_that_is_not_positive_is_refused_before_any_worker_starts(tmp_path, capsys, timeout):
+    from kmp.cli import main as cli
+
+    script = _script(tmp_path, "print('worker says hello')")
+    assert cli.main(["launch", "--workers", "1", "--timeout", timeout, str(script)]) == 2
+    out, err = capsys.readouterr()
+    assert err == (f"kmp: kmp launch: expected --timeout > 0 seconds (or none: no limit). Received: "
+                   f"timeout={float(timeout)}.\n")
+    assert out == ""  # no worker announced, none started

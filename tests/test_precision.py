@@ -423,3 +423,15 @@ def test_set_precision_takes_what_load_config_takes(tmp_path):
             kmp.set_precision(str(tmp_path / "missing.json"))
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+@pytest.mark.parametrize("spelled, dtype", [("bfloat16", "bfloat16"), ("bf16-true", "bfloat16"), ("16-true", "float16")])
+def test_set_precision_says_once_what_16_bit_weights_need(spelled, dtype, recwarn):
+    kmp.set_precision(spelled, hardware=kmp.Hardware("gpu", (9, 0)))
+    said = [str(w.message) for w in recwarn if "keeps the weights themselves" in str(w.message)]
+    assert said == [f"precision '{dtype}' keeps the weights themselves in {dtype}. kmp.prepare(model), with kmp.wrap's "
+                    f"optimizer, trains them from float32 master weights; any other update (Keras's own) is made in "
+                    f"{dtype} and loses the small ones (Keras's Adam does not move them at all). 'mixed_{dtype}' keeps "
+                    "float32 weights."]
+    kmp.set_precision(f"mixed_{dtype}", hardware=kmp.Hardware("gpu", (9, 0)))
+    assert len([w for w in recwarn if "keeps the weights themselves" in str(w.message)]) == 1

@@ -429,8 +429,9 @@ def test_which_losses_are_weighted_by_rows(caplog):
 
 
 def _under_kmps_wrappers(function):
-    """The train function under kmp's floor-error translation, first-step fallback and iterator release."""
+    """The train function under kmp's floor-error translation, first-step fallback, iterator release and check of
+    the strategy."""
     while function.__qualname__ in ("raising_loss_scale_errors.<locals>.call", "_falling_back.<locals>.call",
-                                    "releasing.<locals>.call"):
+                                    "releasing.<locals>.call", "_in_its_own_strategy.<locals>.call"):
         function = function.__wrapped__
     return function

@@ -117,6 +117,26 @@ def test_a_decay_shorter_than_warmup_is_warned_once_whoever_reads_the_block():
     assert "drops straight to warmup_min_lr (0)" in str(caught[0].message)
 
 
+def test_a_one_cycle_whose_min_lr_is_above_its_max_lr_is_said_once_whoever_reads_the_block():
+    """DeepSpeed accepts it and runs the cycle upside down; so does kmp, and says so."""
+    config = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-2, "cycle_max_lr": 1e-4}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        kmp.load_config(config)
+        schedule = parse_scheduler(config["scheduler"], base_lr=1e-3)
+        build_schedule(config["scheduler"], base_lr=1e-3)
+    assert [str(w.message) for w in caught] == [
+        "OneCycle: cycle_min_lr (0.01) is above cycle_max_lr (0.0001), which DeepSpeed accepts too: the lr falls from "
+        "0.01 to 0.0001 over the cycle's first half and rises back, then stays at (or decays from) 0.01. Swap the two "
+        "for a cycle that rises to cycle_max_lr."]
+    first = schedule.settings["cycle_first_step_size"]
+    assert schedule.lr_at(0) > schedule.lr_at(first - 1) < schedule.lr_at(2 * first - 1)  # as the note says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the usual order: nothing to say
+        parse_scheduler({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2}})
+
+
 def test_momentum_is_none_unless_one_cycle_cycles_it():
     for case in CASES:
         schedule = schedule_of(case)

@@ -21,11 +21,20 @@ def test_float16_policy_gets_a_loss_scale_optimizer_with_python_defaults():
     assert opt.loss_scale_config == kmp.LossScaleConfig()
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_no_loss_scaling_without_float16_compute(policy):
     keras.config.set_dtype_policy(policy)
     inner = keras.optimizers.SGD()
     assert kmp.wrap(inner) is inner
+
+
+def test_bfloat16_weights_get_kmps_optimizer_at_a_static_scale_of_1():
+    """kmp.prepare's flat buffers train them from float32 masters, with kmp's optimizer (docs/precision.md)."""
+    keras.config.set_dtype_policy("bfloat16")
+    inner = keras.optimizers.SGD()
+    wrapped = kmp.wrap(inner)
+    assert type(wrapped) is LossScaleOptimizer and wrapped.inner_optimizer is inner
+    assert wrapped.loss_scale_config.static_scale == 1
 
 
 def test_precision_argument_wins_and_leaves_the_global_policy_alone():
@@ -63,6 +72,23 @@ def test_config_enables_fp16_but_the_policy_is_float32_warns():
     with pytest.warns(UserWarning, match=r"kmp.set_precision\('mixed_float16'\)"):
         opt = kmp.wrap(keras.optimizers.SGD(), {"fp16": {"enabled": True}})
     assert isinstance(opt, LossScaleOptimizer)
+
+
+@pytest.mark.parametrize("precision, policy", [("mixed_float16", "float32"), ("16-mixed", "mixed_bfloat16"),
+                                               ("float32", "mixed_float16")])
+def test_a_precision_argument_the_policy_does_not_compute_in_warns_as_a_configs_does(precision, policy):
+    keras.config.set_dtype_policy(policy)
+    chosen = kmp.resolve_precision(precision)
+    with pytest.warns(UserWarning) as record:
+        kmp.wrap(keras.optimizers.SGD(), precision=precision)
+    assert [str(r.message) for r in record] == [
+        f"kmp.wrap was given precision {chosen} but the global Keras policy computes in "
+        f"{policy.removeprefix('mixed_')}, so layers built now will not use {chosen.compute_dtype}. Set the policy "
+        f"before building the model: kmp.set_precision('{chosen}')."]
+    keras.config.set_dtype_policy(chosen.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmp.wrap(keras.optimizers.SGD(), precision=precision)  # they agree: nothing to say
 
 
 def test_config_without_precision_follows_the_policy():

@@ -323,3 +323,19 @@ def test_one_device_has_one_shard(two_replicas):
     model, _ = _trained(True, None, "adam", epochs=1, wrap_args={"zero_stage": 1})
     buffers = engine.engine_of(model).buffers
     assert not buffers.layout.sharded and not buffers.layout.slots_on_host and buffers.shard == buffers.size
+
+
+def test_wrap_says_once_where_it_does_not_run_the_stage_asked(two_replicas):
+    """Stages 2 and 3 run as stage 1, said as for a config's zero_optimization.stage; outside a strategy's scope
+    the optimizer still carries stage 1 (it shards once trained under one), and that is said."""
+    keras.config.set_dtype_policy("float32")
+    for stage in (2, 3):
+        with two_replicas.scope(), pytest.warns(UserWarning) as record:
+            assert kmp.wrap(keras.optimizers.Adam(), zero_stage=stage).zero_stage == 1
+        assert [str(r.message) for r in record] == [
+            f"zero_stage is {stage}: {kmp.config.deepspeed._ZERO_STAGES[stage]}. The training is the same; "
+            "the memory saved is less."]
+    with pytest.warns(UserWarning) as record:
+        outside = kmp.wrap(keras.optimizers.Adam(), zero_stage=1)
+    assert len(record) == 1 and "outside a strategy's scope (one replica): zero_stage=1" in str(record[0].message)
+    assert isinstance(outside, kmp.LossScaleOptimizer) and outside.zero_stage == 1

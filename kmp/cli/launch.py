@@ -176,6 +176,8 @@ def _signal_groups(processes, sig) -> None:
 
 def run_local(command: Sequence[str], workers: int, timeout: float | None = None) -> int:
     """`kmp launch --workers N`: start, relay, wait, stop; the exit status."""
+    if timeout is not None and not timeout > 0:  # nan too
+        raise KmpError(f"kmp launch: expected --timeout > 0 seconds (or none: no limit). Received: timeout={timeout}.")
     job = LocalJob(command, workers)
     print(f"kmp launch: {workers} workers on {', '.join(job.addresses)}", flush=True)
     try:

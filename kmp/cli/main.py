@@ -279,7 +279,7 @@ def _add_launch(commands) -> None:
     launch.add_argument("--hostfile", help="DeepSpeed-style hostfile: print each host's commands instead")
     launch.add_argument("--master-port", type=int, default=29500,
                         help="with --hostfile: the first port on each host (DeepSpeed's default 29500)")
-    launch.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every worker after this long")
+    launch.add_argument("--timeout", type=float, metavar="SECONDS", help="stop every worker after this long (> 0)")
     launch.add_argument("script", help="the Python script each worker runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     launch.set_defaults(run=_launch)

@@ -3,6 +3,7 @@
     settings.py         Config, LossScaleConfig, Communication: the settings and their defaults
     optimizer_block.py  the DeepSpeed optimizer block (keras imported only to build one)
     auto.py             DeepSpeed's "auto" values
+    zero_block.py       the zero_optimization block's keys and value types (DeepSpeed's)
     deepspeed.py        load_config, to_deepspeed, resolve_batch_sizes
     arguments.py        add_config_arguments: the same settings as command-line flags
     reference.py        the generated reference of every key (docs)

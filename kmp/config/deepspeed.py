@@ -11,16 +11,17 @@
   dict and `kmp.wrap` with a config go through `load_config` too.
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
-- Unknown keys inside a block (fp16, bf16, kmp) are errors with a
-  did-you-mean, as DeepSpeed's own config models refuse them: a misspelled
-  `hysterisis` that silently keeps the default is the bug this module exists
-  to catch. Unknown top-level keys are named in one warning and the file loads,
-  as DeepSpeed ignores them (`strict=True` makes them errors). Keys DeepSpeed
-  knows but kmp does not act on (monitors, profilers, ...) are named together
-  in one warning.
+- Unknown keys inside a block (fp16, bf16, kmp, zero_optimization) are
+  errors with a did-you-mean, as DeepSpeed's own config models refuse them:
+  a misspelled `hysterisis` that silently keeps the default is the bug this
+  module exists to catch. Unknown top-level keys are named in one warning
+  and the file loads, as DeepSpeed ignores them (`strict=True` makes them
+  errors). Keys DeepSpeed knows but kmp does not act on (monitors,
+  profilers, ZeRO's buckets, ...) are named together in one warning.
 - The `optimizer` block is read by kmp.config.optimizer_block, the `scheduler` block by
   kmp.schedules.formulas, `zero_optimization` here (its stage; what kmp does instead
-  is warned about). Hugging Face's "auto" values are filled by kmp.config.auto.
+  is warned about; its other keys: kmp.config.zero_block). Hugging Face's
+  "auto" values are filled by kmp.config.auto.
 - kmp-only settings live in a `kmp` block. DeepSpeed reads top-level keys one
   by one and ignores the rest, so one file can serve both.
 - `resolve_batch_sizes` infers and checks batch sizes exactly as DeepSpeed's
@@ -38,7 +39,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp.config import auto, optimizer_block
+from kmp.config import auto, optimizer_block, zero_block
 from kmp.config.settings import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.schedules import formulas
@@ -345,8 +346,7 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
             elif key not in known:
                 fix = _unknown_key_fix(str(key), level, known, spelled)
                 if level or strict:  # DeepSpeed's block models forbid extra keys; its top level does not
-                    where = spelled[level] if level else "the top level"
-                    problems.append(Problem(path, f"a key of {where} that kmp or DeepSpeed knows", value, fix))
+                    problems.append(_unknown_key(path, spelled[level] if level else "the top level", value, fix))
                 else:
                     unknown.append(f"{path} ({fix})" if fix.startswith(("Did", "Keys")) else path)
 
@@ -393,9 +393,10 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
         top["scheduler"], more = _scheduler(raw["scheduler"], top.get("optimizer"))
         problems += more
     if "zero_optimization" in raw:
-        top["zero_stage"], zero_notes, more = _zero(raw["zero_optimization"])
+        top["zero_stage"], zero_notes, zero_ignored, more = _zero(raw["zero_optimization"])
         problems += more
         notes += zero_notes
+        ignored += zero_ignored
     # Constructing validates ranges; problems come back under field names and
     # are reported under the JSON key path, with the value as written there.
     rows = {row.field: row for row in DEEPSPEED_KEYS}
@@ -441,20 +442,30 @@ _ZERO_STAGES = {
 }
 
 
-def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
-    """(stage, warnings, problems) of a `zero_optimization` block. Training is the same; memory is not."""
+def zero_stage_note(key: str, stage: int) -> str:
+    """What is said where `key` asks for ZeRO stage 2 or 3, which kmp runs as stage 1."""
+    return f"{key} is {stage}: {_ZERO_STAGES[stage]}. The training is the same; the memory saved is less."
+
+
+def _zero(block: Any) -> tuple[int, list[str], list[str], list[Problem]]:
+    """(stage, warnings, keys kmp does not act on, problems) of a `zero_optimization` block (its keys:
+    kmp.config.zero_block). Training is the same; memory is not."""
     if isinstance(block, bool):  # DeepSpeed's legacy form: true is stage 1
         block = {"stage": int(block)}
     if not isinstance(block, Mapping):
-        return 0, [], [Problem("zero_optimization", "a JSON object {...}", block)]
-    problems: list[Problem] = []
+        return 0, [], [], [Problem("zero_optimization", "a JSON object {...}", block)]
+    unknown, problems, ignored = zero_block.check(block)
+    for path, value in unknown:
+        where, _, key = path.rpartition(".")
+        known = zero_block.known(path)
+        fix = did_you_mean(key, known) or (f"{where} accepts: {', '.join(sorted(known))}." if len(known) < 20 else
+                                           "Check its spelling against DeepSpeed's zero_optimization keys "
+                                           "(docs/config.md lists them), or remove it.")
+        problems.append(_unknown_key(path, where, value, fix))
     stage = block.get("stage", 0)
     if not int_in("zero_optimization.stage", stage, 0, problems, high=3, fix="DeepSpeed's stages are 0 to 3."):
-        return 0, [], problems
-    notes = []
-    if stage > 1:
-        notes.append(f"zero_optimization.stage is {stage}: {_ZERO_STAGES[stage]}. The training is the same; "
-                     "the memory saved is less.")
+        return 0, [], [], problems
+    notes = [zero_stage_note("zero_optimization.stage", stage)] if stage > 1 else []
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if isinstance(block.get(k), Mapping) and str(block[k].get("device", "none")).lower() != "none"]
     if block.get("cpu_offload") is True:
@@ -462,7 +473,11 @@ def _zero(block: Any) -> tuple[int, list[str], list[Problem]]:
     if offloaded:
         notes.append(f"zero_optimization.{', '.join(offloaded)}: kmp does not offload; optimizer state and "
                      "parameters stay on the training device.")
-    return stage, notes, problems
+    return stage, notes, ignored, problems
+
+
+def _unknown_key(path: str, where: str, value: Any, fix: str) -> Problem:
+    return Problem(path, f"a key of {where} that kmp or DeepSpeed knows", value, fix)
 
 
 def _scheduler(block: Any, optimizer: optimizer_block.OptimizerSpec | None) -> tuple[Any, list[Problem]]:

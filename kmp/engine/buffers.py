@@ -25,8 +25,9 @@ shard receives only that shard of the summed gradient (kmp.distribute
 those CPUs, on the first replica's buffers, which every replica reads.
 Which of these a model gets is its layout (kmp.engine.layout), chosen once.
 
-Layout: the trainable variables (all float32: mixed precision keeps float32
-masters) in Keras's `model.trainable_variables` order, except that the ones
+Layout: the trainable variables (float32 masters: mixed precision's own
+float32 variables, or of 16-bit variables, which each copy out rounds) in
+Keras's `model.trainable_variables` order, except that the ones
 the optimizer decays are one run, so weight decay is `start <= index < end`
 (with 8-bit states, the variables that keep float32 ones come first), and
 in each run the variables of one shape lie together (a copy out splits
@@ -96,6 +97,9 @@ logger = logging.getLogger(__name__)
 EAGER_COPIES = 50  # loads made eagerly before one traced graph makes them (see _copy)
 WEIGHT_BUFFERS = ("weights", "kept_weights")  # the model's weights; the other buffers are the optimizer's state
 IN_PLACE_FROM = 16384  # elements: a variable's gradient this large is written into the flat one in place (join)
+# The variables' dtypes the buffers train, from float32 masters: a 16-bit variable (a "bfloat16" or "float16"
+# policy) is the master rounded, as DeepSpeed's bf16 and fp16 optimizers keep it.
+MASTERED = ("float32", "bfloat16", "float16")
 
 
 def support(model: keras.Model) -> str | None:
@@ -123,8 +127,9 @@ def support(model: keras.Model) -> str | None:
     if not variables:
         return "the model has no trainable variables"
     for v in variables:
-        if v.dtype != "float32":
-            return f"variable {v.path} has dtype {v.dtype} (the buffers hold float32 masters)"
+        if v.dtype not in MASTERED:
+            return f"variable {v.path} has dtype {v.dtype} (the buffers hold float32 masters of float32, bfloat16 " \
+                   "and float16 variables)"
         if getattr(v, "constraint", None) is not None:
             return f"variable {v.path} has a constraint"
         if optimizer._overwrite_variable_with_gradient(v):
@@ -283,8 +288,8 @@ class FlatBuffers:
         else:
             parts = self._parts(self._whole(flat, "weights"))
         out = [None] * len(self.sizes)
-        for position, part in zip(self.order, parts):
-            out[position] = part
+        for position, part, variable in zip(self.order, parts, self.variables):
+            out[position] = _as_dtype(part, variable.dtype)  # a 16-bit variable: its master rounded
         return out
 
     def _whole(self, flat, name: str):
@@ -701,7 +706,7 @@ class FlatBuffers:
     def _load_component(self, buffers, mirrors, offset):
         for name, buffer in buffers.items():
             # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
-            flat = self._copy_plan(name).joined(_read_all(mirrors[name]))
+            flat = self._copy_plan(name).joined([_as_dtype(v, buffer.dtype) for v in _read_all(mirrors[name])])
             _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
@@ -718,6 +723,7 @@ class FlatBuffers:
                 if not isinstance(buffer, tf.Variable):
                     self._split_now[id(buffer)] = parts
             for variable, part in zip(mirrors[name], parts):
+                part = _as_dtype(part, variable.dtype)  # a 16-bit variable gets its master rounded
                 _assign(variable, part)  # the variable takes the part's buffer: assigning copies nothing
                 stored.append((name, variable, part))
         return stored
@@ -906,6 +912,11 @@ def _assign(variable, value) -> None:
         tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=True)
     else:
         variable.assign(value, read_value=False)
+
+
+def _as_dtype(tensor, dtype):
+    """`tensor` cast to `dtype`; itself when it has it (no op)."""
+    return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
 
 
 def _pad_to(flat, length: int):

@@ -127,6 +127,7 @@ class Engine:
         self.state = SAME
         self.lagging = ()  # in STATE, the buffers not stored yet
         self.noted = set()  # callback classes whose per-batch copies were announced
+        self._steps = {}  # the compiled forward/backward, by replica (_compiled)
 
     # --- The state machine ---
 
@@ -163,6 +164,11 @@ class Engine:
         self.observe()  # what was not written must be current too
         self.state = KERAS
 
+    def forget_compiled(self) -> None:
+        """For a new train function (after compile(), a new prepare()): the forward/backward is traced
+        again, since a compiled one holds the old loss and metrics."""
+        self._steps = {}
+
     def release(self) -> None:
         """Before Keras's per-variable update trains the model instead: its slot variables current,
         on every replica (kmp.engine.zero), and loaded again if the buffers come back."""
@@ -198,7 +204,7 @@ class Engine:
 
     def _compiled(self):
         key = replica_step.replica_key()
-        cache = self.__dict__.setdefault("_steps", {})
+        cache = self._steps
         if key not in cache:
             cache[key] = (replica_step.compiled(self.model, self._forward_backward) if self.xla
                           else xla_choice.plain(self._forward_backward))

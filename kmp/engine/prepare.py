@@ -77,7 +77,7 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     predict, save, save_weights, get_weights, set_weights, load_weights and
     fit are wrapped on this instance. "auto" falls back to the per-variable
     path, with a one-line note, where the buffers do not apply (an optimizer
-    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; non-float32 variables;
+    other than SGD, Adam, AdamW, Lion, Adagrad, Lamb; float64 variables;
     see kmp.engine.buffers.support); True says the same as a warning. False: off.
 
     `wall_clock_breakdown` (kmp.engine.wall_clock): True or N prints, every N steps
@@ -368,9 +368,37 @@ def _build_function(self, step_function, train: bool = True):
         function = _timed(self, plan, function)
     if train:
         replica_step.path_of(self).update(taken=_path_taken(plan), off={})
+        function = _in_its_own_strategy(self, function)
     # The main thread never destroys an input iterator (that waits on tf.data's autotune thread).
     # The floor's check after each call is the one kmp's optimizer puts around the model's train function.
     return overflow.raising_loss_scale_errors(iterators.releasing(function, on_host))
+
+
+class StrategyMismatchError(KmpError, ValueError):
+    """fit() inside the scope of a strategy other than the one the model was built in."""
+
+
+def _in_its_own_strategy(model, function):
+    """`function` (a train function), which refuses to run inside another strategy's scope than the model's.
+
+    Keras makes a model's variables for the strategy whose scope it is built in, and trains under the strategy
+    whose scope fit() runs in: with another, its step fails deep in the graph (stock Keras's, an AssertionError).
+    Evaluation and prediction run there as stock Keras's do.
+    """
+
+    def call(iterator):
+        ambient = tf.distribute.get_strategy()
+        if tf.distribute.has_strategy() and model._distribute_strategy is not ambient:
+            built = ("outside any strategy's scope" if model._distribute_strategy is None
+                     else f"under another {type(model._distribute_strategy).__name__}")
+            raise StrategyMismatchError(
+                f"kmp: {model.name} was built {built}, and is trained inside a {type(ambient).__name__}'s scope, "
+                "whose replicas its variables are not on: build and compile the model inside that "
+                "`with strategy.scope():`, or train it outside the scope.")
+        return function(iterator)
+
+    call.__wrapped__ = function
+    return call
 
 
 def _xla_asked(model) -> bool:
@@ -590,6 +618,7 @@ def _engine_for(model):
         current = state.ensure(model).engine = engine.Engine(model)
     else:
         current.buffers.place_slots(on_host=True)  # back from a per-variable fit (_no_engine)
+        current.forget_compiled()
     return current
 
 

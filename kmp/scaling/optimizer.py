@@ -159,6 +159,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.gradient_clipping = values.plain(gradient_clipping)
         self.zero_stage = values.plain(zero_stage)
         self._zero_noted = False
+        self._sixteen_noted = False  # apply said that 16-bit weights are updated in their own dtype
         self._floor_asserts = True  # False while tracing a call that began before kmp wrapped it (apply)
         # kmp's own accumulation. Keras's `gradient_accumulation_steps`
         # attribute stays None: Keras would otherwise accumulate by itself.
@@ -261,6 +262,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                           "buffers are off), so every replica keeps the whole optimizer state.", UserWarning,
                           stacklevel=3)  # past do_not_convert's wrapper, at apply's caller
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        sixteen = sorted({v.dtype for v in variables if v.dtype in ("bfloat16", "float16")})
+        if sixteen and not self._sixteen_noted:
+            self._sixteen_noted = True  # once per optimizer
+            warnings.warn(f"kmp: this step updates {' and '.join(sixteen)} weights in their own dtype, per variable "
+                          "(kmp.prepare was not called, or its log line says why its flat buffers are off): an update "
+                          "below 2**-8 of a weight (float16: 2**-11) is lost, and Keras's Adam and AdamW compute their "
+                          "bias correction in that dtype, where it is 0, so the weights do not move. kmp.prepare(model)'s "
+                          "flat buffers train them from float32 master weights; a 'mixed_' policy keeps float32 "
+                          "weights.", UserWarning, stacklevel=3)
         # Every micro-batch of a window is scaled by the same scale: it only
         # changes when a window closes. A static scale of 1 (float32,
         # bfloat16) divides by nothing.

@@ -3,11 +3,11 @@
     model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), ...)
 
 float16 compute gets a configured `kmp.LossScaleOptimizer`. bfloat16 and
-float32 need no loss scaling: on one device, without accumulation or
-clipping, they get the optimizer itself. Under a strategy with several
+float32 need no loss scaling: on one device, without accumulation,
+clipping or ZeRO, they get the optimizer itself. Under a strategy with several
 replicas (call `wrap` inside `strategy.scope()`, as Keras requires for
-optimizers), with gradient accumulation, or with clipping (wherever `wrap`
-is called) they get kmp's optimizer with a static scale of 1, so that
+optimizers), with gradient accumulation, clipping or `zero_stage` (wherever
+`wrap` is called) they get kmp's optimizer with a static scale of 1, so that
 gradients are all-reduced once before they are clipped, and non-finite
 steps are skipped.
 
@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from kmp import values
 from kmp.config import auto, optimizer_block
-from kmp.config.deepspeed import read_config, resolve_batch_sizes
+from kmp.config.deepspeed import read_config, resolve_batch_sizes, zero_stage_note
 from kmp.config.settings import Config, LossScaleConfig, attempt, communication_of
 from kmp.errors import Problem, check, did_you_mean
 from kmp.precision import Precision, resolve_precision
@@ -102,6 +102,8 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         given = _given(optimizer, policy, precision, overrides, replicas, total_steps, warmup_steps)
         settings = read_config(config, strict=strict, given=given, stacklevel=3)
     settings, extra = _with_overrides(settings, overrides)
+    if overrides.get("zero_stage", 0) > 1:  # a config's stage is said by kmp.config.deepspeed
+        warnings.warn(zero_stage_note("zero_stage", overrides["zero_stage"]), UserWarning, stacklevel=2)
     optimizer = with_states(_optimizer_for(optimizer, settings), states)
     chosen = _choose_precision(precision, settings)
     clip = _clipping_to_add(optimizer, settings.gradient_clipping)
@@ -110,15 +112,21 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         extra["gradient_accumulation_steps"] = steps
     extra.setdefault("communication", settings.communication())
     if settings.zero_stage:
-        extra["zero_stage"] = 1  # stages 2 and 3 load as stage 1 (kmp.config.deepspeed says so)
+        extra["zero_stage"] = 1  # stages 2 and 3 load as stage 1 (said above, or by kmp.config.deepspeed)
+        if replicas == 1:
+            warnings.warn("kmp.wrap was called outside a strategy's scope (one replica): zero_stage=1 shards the "
+                          "optimizer state once the model is compiled and trained under a strategy of several "
+                          "replicas; on one device its one shard is the whole state.", UserWarning, stacklevel=2)
     if chosen.needs_loss_scaling:
         wrapped = LossScaleOptimizer(optimizer, loss_scale=settings.loss_scale, gradient_clipping=clip, **extra)
-    elif replicas > 1 or steps is not None or clip is not None:
+    elif replicas > 1 or steps is not None or clip is not None or settings.zero_stage or chosen.name == "bfloat16":
         # Keras clips each replica's local gradient before its all-reduce (and
         # wrap, called outside strategy.scope(), cannot know the replicas),
         # and its own accumulation fails under tf.distribute. kmp's optimizer
         # does both right; a static scale of 1 is that pipeline without
-        # scaling, and it skips non-finite steps.
+        # scaling, and it skips non-finite steps. zero_stage, wherever wrap is called: its shards are made in
+        # the scope the model trains in. bfloat16 weights: kmp.prepare's flat buffers train them from float32
+        # masters, with kmp's optimizer.
         wrapped = LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
     elif settings.wall_clock_breakdown:
         # A copy, unless built (its state would be lost): then the one attribute below is set on it.
@@ -254,17 +262,20 @@ def _as_optimizer(optimizer) -> keras.optimizers.Optimizer:
 
 
 def _choose_precision(precision, settings: Config) -> Precision:
-    if precision is not None:
-        return resolve_precision(precision)
     policy = resolve_precision(keras.config.dtype_policy())
-    if settings.precision == "fp32":
+    if precision is not None:
+        chosen = resolve_precision(precision)
+        asked = f"kmp.wrap was given precision {chosen}"
+    elif settings.precision == "fp32":
         return policy
-    chosen = resolve_precision(settings)
+    else:
+        chosen, asked = resolve_precision(settings), f"The config asks for {settings.precision}"
+    # The optimizer follows `chosen`; the model's layers follow the global policy.
     if chosen.compute_dtype != policy.compute_dtype:
         warnings.warn(
-            f"The config asks for {settings.precision} but the global Keras policy computes in "
-            f"{policy.compute_dtype}, so layers built now will not use {chosen.compute_dtype}. "
-            f"Set the policy before building the model: kmp.set_precision({str(chosen)!r}).",
+            f"{asked} but the global Keras policy computes in {policy.compute_dtype}, so layers built now will not "
+            f"use {chosen.compute_dtype}. Set the policy before building the model: "
+            f"kmp.set_precision({str(chosen)!r}).",
             stacklevel=3,
         )
     return chosen

@@ -290,11 +290,11 @@ class Schedule:
         object.__setattr__(self, "base_lr", values.plain(self.base_lr))
         object.__setattr__(self, "base_momentum", values.plain(self.base_momentum))
         check(_problems(self.type, dict(self.params), self.base_lr, self.base_momentum, "scheduler"), _SOURCE)
-        short = _short_decay(self.type, self.settings)
-        if short:
-            # stacklevel 1: one place for every reader (load_config, kmp.wrap, the Keras
-            # schedule), so the default filter says it once per process.
-            warnings.warn(short, UserWarning, stacklevel=1)
+        for note in (_short_decay(self.type, self.settings), _inverted_cycle(self.type, self.settings)):
+            if note:
+                # stacklevel 1: one place for every reader (load_config, kmp.wrap, the Keras
+                # schedule), so the default filter says it once per process.
+                warnings.warn(note, UserWarning, stacklevel=1)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -373,6 +373,17 @@ def _short_decay(kind: str, s: Mapping[str, Any]) -> str:
     return (f"{kind}: total_num_steps ({total}) is less than warmup_num_steps ({warmup}), as DeepSpeed warns too: "
             f"the lr warms up over {warmup} steps, then drops straight to {floor} instead of decaying to it. "
             f"Set total_num_steps to the run's whole number of steps, warmup included (above {warmup}).")
+
+
+def _inverted_cycle(kind: str, s: Mapping[str, Any]) -> str:
+    """For a OneCycle whose cycle_min_lr is above its cycle_max_lr (DeepSpeed takes it silently): what the lr
+    then does; or ''."""
+    if kind != "OneCycle" or s["cycle_min_lr"] <= s["cycle_max_lr"]:
+        return ""
+    low, high = s["cycle_min_lr"], s["cycle_max_lr"]
+    return (f"OneCycle: cycle_min_lr ({low:g}) is above cycle_max_lr ({high:g}), which DeepSpeed accepts too: the lr "
+            f"falls from {low:g} to {high:g} over the cycle's first half and rises back, then stays at (or decays "
+            f"from) {low:g}. Swap the two for a cycle that rises to cycle_max_lr.")
 
 
 _SOURCE = "DeepSpeed scheduler block"
