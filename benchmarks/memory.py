@@ -2,23 +2,36 @@
 
     python benchmarks/memory.py                       # both GPT-2 sizes, every configuration
     python benchmarks/memory.py --sizes small --only kmp-mirrored,zero1-mirrored
-    python benchmarks/memory.py --json results.json
+    python benchmarks/memory.py --checkpointing       # activation checkpointing: memory, step, losses
+    python benchmarks/memory.py --largest             # the largest GPT-2 that trains a step here
 
-The model is a keras-hub GPT2CausalLM built from a config (no download):
-"large" is 8 layers x hidden 512, vocabulary 16384 (33.6M parameters),
-"small" 4 x 256, vocabulary 8192 (5.3M). Batch 4, sequence 64, AdamW, two
-epochs of 6 steps, mixed_float16 unless the configuration says otherwise.
-
-Each row is one process (its own TensorFlow runtime, nothing shared):
+The models are keras-hub GPT2CausalLMs built from a config (no download).
+The table: "large" is 8 layers x hidden 512, vocabulary 16384 (33.6M
+parameters), "small" 4 x 256, vocabulary 8192 (5.3M); batch 4, sequence 64,
+AdamW, two epochs of 6 steps, mixed_float16 unless the configuration says
+otherwise. Each row is one process (its own TensorFlow runtime):
 
     peak        resource.getrusage(RUSAGE_SELF).ru_maxrss after training: what the process held at most
-    rest        RSS with the model built and compiled, before the first step
+    rest        resident memory with the model built and compiled, before the first step
     variables   the bytes each device's variables hold (kmp.measured_bytes's categories, summed)
-    device peak tf.config.experimental.get_memory_info(device)["peak"], where the device reports it (GPUs)
+    estimate    kmp.memory_estimate(model)'s total per replica (what it covers: variables, one gradient)
+    device peak tf.config.experimental.get_memory_info(device)["peak"], on devices that report it (GPUs)
 
 Bytes per parameter are the slope between the two sizes: (peak_large -
 peak_small) / (parameters_large - parameters_small), so what does not grow
-with the model (the TensorFlow runtime, the input pipeline) drops out.
+with the model (the TensorFlow runtime, the input pipeline, most of XLA's
+compile) drops out.
+
+--checkpointing: a GPT-2 of 8 x 256, vocabulary 1024, sequence 512, batch 8,
+mixed_bfloat16, one device, with and without
+kmp.prepare(activation_checkpointing=True), Keras's step (no XLA, its
+default on a CPU) and with jit_compile=True: peak above rest, the median
+step after the first epoch, the losses. Were XLA to merge the recomputation
+into the forward pass, its peak would not fall.
+
+--largest: for each setup, the GPT-2s of `LADDER` in turn, each in its own
+process that trains one step of batch 1, sequence 256, vocabulary 50257
+(killed past --limit GiB of resident memory): the largest that trained.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -38,10 +52,10 @@ SIZES = {  # layers, hidden, heads, vocabulary
     "small": (4, 256, 4, 8192),
     "large": (8, 512, 8, 16384),
 }
-BATCH, SEQUENCE, STEPS, EPOCHS = 4, 64, 6, 2
+TABLE = dict(batch=4, sequence=64, steps=6, epochs=2)
 
-# name -> (what it is, settings). Settings: replicas, precision, stock (Keras alone) or kmp's
-# wrap arguments and prepare's flat_buffers (None: no kmp.prepare).
+# name -> (what it is, settings). Settings: replicas, precision, stock (Keras alone) or kmp's wrap
+# arguments, flat (kmp.prepare's flat_buffers; no kmp.prepare without it), checkpointing, jit.
 CONFIGURATIONS = {
     "built": ("the model built and compiled, no step", dict(replicas=1, stock=True, train=False)),
     "stock-fp32": ("stock Keras, one device, jit_compile=True, float32",
@@ -55,6 +69,7 @@ CONFIGURATIONS = {
                         dict(replicas=1, flat=False, states="8bit")),
     "stock-mirrored": ("stock Keras, MirroredStrategy on two logical CPUs", dict(replicas=2, stock=True)),
     "kmp-mirrored": ("kmp.wrap + kmp.prepare, MirroredStrategy, flat buffers", dict(replicas=2, flat=True)),
+    "kmp-mirrored-nojit": ("the same, kmp.prepare(jit_compile=False)", dict(replicas=2, flat=True, jit=False)),
     "kmp-mirrored-pervar": ("kmp, MirroredStrategy, per variable", dict(replicas=2, flat=False)),
     "zero1-mirrored": ("kmp, MirroredStrategy, flat buffers, zero_stage=1",
                        dict(replicas=2, flat=True, zero_stage=1)),
@@ -66,21 +81,40 @@ CONFIGURATIONS = {
                              dict(replicas=2, flat=False, states="8bit")),
 }
 
+CHECKPOINTING_MODEL = dict(layers=8, hidden=256, heads=4, vocabulary=1024, batch=8, sequence=512, steps=6, epochs=2,
+                           precision="mixed_bfloat16", replicas=1, flat=False)
+CHECKPOINTING = {
+    "plain": ("Keras's step (no XLA)", dict()),
+    "checkpointed": ("the same, activation_checkpointing=True", dict(checkpointing=True)),
+    "plain-xla": ("jit_compile=True", dict(jit=True)),
+    "checkpointed-xla": ("jit_compile=True, activation_checkpointing=True", dict(jit=True, checkpointing=True)),
+}
+
+# The largest model that fits: (layers, hidden), GPT-2's own family and sizes between them.
+LADDER = [(12, 768), (24, 1024), (36, 1280), (40, 1536), (48, 1600), (48, 1792), (48, 2048), (56, 2304)]
+LARGEST_RUN = dict(vocabulary=50257, batch=1, sequence=256, steps=1, epochs=1)
+LARGEST = {
+    "stock Keras, float32": dict(stock=True, precision="float32"),
+    "stock Keras, mixed_float16": dict(stock=True, precision="mixed_float16"),
+    "kmp, mixed_bfloat16, 8-bit states, activation checkpointing": dict(precision="mixed_bfloat16", states="8bit",
+                                                                      flat=False, checkpointing=True),
+}
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(size: str, name: str) -> dict:
+def worker(spec: dict) -> dict:
     """Build, compile and train one configuration in this process; its memory, as a dict."""
     import resource
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    settings = {"precision": "mixed_float16", "stock": False, "train": True, **CONFIGURATIONS[name][1]}
+    spec = {"precision": "mixed_float16", "stock": False, "train": True, "replicas": 1, **spec}
     import tensorflow as tf
 
-    if settings["replicas"] > 1 and not tf.config.list_physical_devices("GPU"):
+    if spec["replicas"] > 1 and not tf.config.list_physical_devices("GPU"):
         cpus = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
@@ -88,115 +122,168 @@ def worker(size: str, name: str) -> dict:
     import numpy as np
 
     import kmp
+    from kmp.engine.engine import engine_of
+    from kmp.engine.recompute import checkpointed
 
-    keras.config.set_dtype_policy(settings["precision"])
+    keras.config.set_dtype_policy(spec["precision"])
     keras.utils.set_random_seed(0)
-    strategy = tf.distribute.MirroredStrategy() if settings["replicas"] > 1 else tf.distribute.get_strategy()
-    layers, hidden, heads, vocabulary = SIZES[size]
+    strategy = tf.distribute.MirroredStrategy() if spec["replicas"] > 1 else tf.distribute.get_strategy()
+    vocabulary, sequence = spec["vocabulary"], spec["sequence"]
     with strategy.scope():
-        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=vocabulary, num_layers=layers, num_heads=heads,
-                                                 hidden_dim=hidden, intermediate_dim=4 * hidden,
-                                                 max_sequence_length=SEQUENCE, dropout=0.0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocabulary, num_layers=spec["layers"], num_heads=spec["heads"],
+            hidden_dim=spec["hidden"], intermediate_dim=4 * spec["hidden"], max_sequence_length=sequence, dropout=0.0)
         model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         inner = keras.optimizers.AdamW(1e-4)
-        if settings["stock"]:
+        if spec["stock"]:
             optimizer = inner
-            if settings["precision"] == "mixed_float16":
+            if spec["precision"] == "mixed_float16":
                 optimizer = keras.optimizers.LossScaleOptimizer(inner)
         else:
-            optimizer = kmp.wrap(inner, states=settings.get("states", "32bit"),
-                                 **({"zero_stage": settings["zero_stage"]} if "zero_stage" in settings else {}))
+            optimizer = kmp.wrap(inner, states=spec.get("states", "32bit"),
+                                 **({"zero_stage": spec["zero_stage"]} if "zero_stage" in spec else {}))
+        jit = spec.get("jit", spec["replicas"] == 1 and spec["stock"])
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=settings["replicas"] == 1 and settings["stock"])
-    if "flat" in settings:
-        kmp.prepare(model, flat_buffers=settings["flat"])
-    rows = BATCH * STEPS
-    tokens = np.random.default_rng(0).integers(1, vocabulary, (rows, SEQUENCE + 1)).astype("int32")
-    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((rows, SEQUENCE), "int32")}
+                      jit_compile=jit if spec["replicas"] == 1 else False)
+    if "flat" in spec:
+        kmp.prepare(model, flat_buffers=spec["flat"], activation_checkpointing=spec.get("checkpointing", False),
+                    **({"jit_compile": spec["jit"]} if "jit" in spec else {}))
+    rows = spec["batch"] * spec["steps"]
+    tokens = np.random.default_rng(0).integers(1, vocabulary, (rows, sequence + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((rows, sequence), "int32")}
     y = tokens[:, 1:]
     model({k: v[:1] for k, v in x.items()})  # the weights built; the optimizer builds at the first step
     rest = _rss()
-    losses = []
-    if settings["train"]:
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=False)
+    losses, marks = [], []
+    if spec["train"]:
+        clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
+        clock.kmp_reads_weights = False
+        history = model.fit(x, y, batch_size=spec["batch"], epochs=spec["epochs"], verbose=0, shuffle=False,
+                            callbacks=[clock])
         losses = [float(v) for v in history.history["loss"]]
+    steady = [b - a for a, b in zip(marks[spec["steps"]:], marks[spec["steps"] + 1:])]  # after the first epoch
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    variables = {}
+    variables, estimate = {}, None
     if model.optimizer.built:
         variables = {device: sum(vars(b).values()) for device, b in kmp.measured_bytes(model).items()}
-    device_peaks = {}
-    for device in tf.config.list_logical_devices("GPU"):
-        device_peaks[device.name] = tf.config.experimental.get_memory_info(device.name)["peak"]
-    from kmp.engine.engine import engine_of
+        estimate = kmp.memory_estimate(model).total
+    device_peaks = {d.name: tf.config.experimental.get_memory_info(d.name)["peak"]
+                    for d in tf.config.list_logical_devices("GPU")}
+    path = ""
+    if "flat" in spec:
+        path = "flat" if engine_of(model) is not None else "per variable"
+        path += f", {len(checkpointed(model))} blocks checkpointed" if spec.get("checkpointing") else ""
+    return dict(parameters=parameters, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rest=rest,
+                end=_rss(), variables=variables, estimate=estimate, device_peaks=device_peaks, losses=losses,
+                ms=sorted(steady)[len(steady) // 2] * 1000 if steady else None, path=path)
 
-    engine = engine_of(model)
-    return dict(size=size, name=name, parameters=parameters, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                * 1024, rest=rest, end=_rss(), variables=variables, device_peaks=device_peaks, losses=losses,
-                path=("flat" if engine is not None else "per variable") if "flat" in settings else "")
 
+def run(spec: dict, limit: float | None = None) -> dict:
+    """`spec` trained by a worker process; its row (or {"failure": why}). Past `limit` bytes resident, killed."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if limit is not None:
+        import psutil
 
-def run(size: str, name: str) -> dict:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", size, name],
-                          capture_output=True, text=True)
-    for line in done.stdout.splitlines():
+        watched = psutil.Process(child.pid)
+        while child.poll() is None:
+            try:
+                if watched.memory_info().rss > limit:
+                    child.kill()
+                    child.wait()
+                    return dict(failure=f"past {limit / 2**30:.0f} GiB resident, stopped")
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.5)  # a sampling period, not a synchronisation
+    out, err = child.communicate()
+    for line in out.splitlines():
         if line.startswith("@@"):
             return json.loads(line[2:])
-    return dict(size=size, name=name, failure=(done.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    return dict(failure=(err.strip().splitlines() or [f"exit status {child.returncode}"])[-1][:200])
 
 
-def report(rows: list[dict]) -> None:
-    by = {(r["size"], r["name"]): r for r in rows}
-    sizes = [s for s in SIZES if any(r["size"] == s for r in rows)]
-    names = list(dict.fromkeys(r["name"] for r in rows))
-    head = " | ".join(f"{s}: peak / above rest MB" for s in sizes)
-    print(f"\n| configuration | {head} | variables per device, large (MB) | bytes/parameter (slope) | path |")
-    print("| --- |" + " --- |" * (len(sizes) + 3))
+def table(sizes: list[str], names: list[str]) -> None:
+    rows = {}
+    for size in sizes:
+        layers, hidden, heads, vocabulary = SIZES[size]
+        for name in names:
+            spec = dict(layers=layers, hidden=hidden, heads=heads, vocabulary=vocabulary, **TABLE,
+                        **CONFIGURATIONS[name][1])
+            rows[size, name] = r = run(spec)
+            print(f"{size} {name}: " + (r["failure"] if "failure" in r else
+                  f"peak {r['peak'] / MB:,.0f} MB, rest {r['rest'] / MB:,.0f} MB, {r['parameters']:,} parameters"),
+                  file=sys.stderr, flush=True)
+    head = " | ".join(f"{s}: peak / above rest (MB)" for s in sizes)
+    print(f"\n| configuration | {head} | bytes/parameter (slope) | variables per device, {sizes[-1]} (MB) | "
+          f"estimate (MB) | path |")
+    print("| --- |" + " --- |" * (len(sizes) + 4))
     for name in names:
-        cells, slope, devices, path = [], "", "", ""
-        for s in sizes:
-            r = by.get((s, name), {})
-            if "failure" in r:
-                cells.append(f"failed: {r['failure']}")
-            elif r:
-                cells.append(f"{r['peak'] / MB:,.0f} / {(r['peak'] - r['rest']) / MB:,.0f}")
-                path = r["path"] or path
-            else:
-                cells.append("")
-        large, small = by.get(("large", name), {}), by.get(("small", name), {})
-        if "peak" in large and "peak" in small:
-            slope = f"{(large['peak'] - small['peak']) / (large['parameters'] - small['parameters']):.1f}"
-        if large.get("variables"):
-            devices = ", ".join(f"{v / MB:,.0f}" for v in large["variables"].values())
-        print(f"| {name}: {CONFIGURATIONS[name][0]} | " + " | ".join(cells) + f" | {devices} | {slope} | {path} |")
-    for r in rows:
+        cells, slope, path = [], "", ""
+        for size in sizes:
+            r = rows[size, name]
+            cells.append(r["failure"] if "failure" in r else f"{r['peak'] / MB:,.0f} / {(r['peak'] - r['rest']) / MB:,.0f}")
+            path = r.get("path") or path
+        first, last = rows[sizes[0], name], rows[sizes[-1], name]
+        if len(sizes) > 1 and "peak" in first and "peak" in last:
+            slope = f"{(last['peak'] - first['peak']) / (last['parameters'] - first['parameters']):.1f}"
+        devices = ", ".join(f"{v / MB:,.0f}" for v in last.get("variables", {}).values())
+        estimate = f"{last['estimate'] / MB:,.0f}" if last.get("estimate") else ""
+        print(f"| {name}: {CONFIGURATIONS[name][0]} | " + " | ".join(cells) +
+              f" | {slope} | {devices} | {estimate} | {path} |")
+    for (size, name), r in rows.items():
         if r.get("device_peaks"):
-            print(f"{r['size']} {r['name']}: device peaks (MB)",
-                  {d: round(v / MB) for d, v in r["device_peaks"].items()})
+            print(f"{size} {name}: device peaks (MB)", {d: round(v / MB) for d, v in r["device_peaks"].items()})
+
+
+def checkpointing() -> None:
+    rows = {name: run({**CHECKPOINTING_MODEL, **settings}) for name, (_, settings) in CHECKPOINTING.items()}
+    print("\n| run | peak / above rest (MB) | above rest vs plain | ms per step | step vs plain | losses | path |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (what, _) in CHECKPOINTING.items():
+        r, base = rows[name], rows[name.replace("checkpointed", "plain")]
+        if "failure" in r or "failure" in base:
+            print(f"| {name}: {what} | {r.get('failure', '')} | | | | | |")
+            continue
+        above, base_above = r["peak"] - r["rest"], base["peak"] - base["rest"]
+        print(f"| {name}: {what} | {r['peak'] / MB:,.0f} / {above / MB:,.0f} | {above / base_above:.2f}x | "
+              f"{r['ms']:,.0f} | {r['ms'] / base['ms']:.2f}x | {', '.join(f'{v:.5f}' for v in r['losses'])} | "
+              f"{r['path']} |")
+
+
+def largest(limit: float) -> None:
+    print(f"\n| setup | largest that trained (layers x hidden: parameters) | the next (why not) |")
+    print("| --- | --- | --- |")
+    for name, settings in LARGEST.items():
+        best, stop = None, ""
+        for layers, hidden in LADDER:
+            r = run({**LARGEST_RUN, "layers": layers, "hidden": hidden, "heads": hidden // 64, **settings},
+                    limit=limit)
+            print(f"{name}, {layers} x {hidden}: " + (r.get("failure") or f"peak {r['peak'] / 2**30:.1f} GiB"),
+                  file=sys.stderr, flush=True)
+            if "failure" in r:
+                stop = f"{layers} x {hidden}: {r['failure']}"
+                break
+            best = f"{layers} x {hidden}: {r['parameters'] / 1e6:,.0f}M (peak {r['peak'] / 2**30:.1f} GiB)"
+        print(f"| {name} | {best or 'none'} | {stop or 'the ladder ended'} |", flush=True)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="small,large")
     parser.add_argument("--only", default="", help="configurations, comma separated (default: all)")
-    parser.add_argument("--json", default="", help="also write the rows to this file")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing instead")
+    parser.add_argument("--largest", action="store_true", help="the largest model that fits instead")
+    parser.add_argument("--limit", type=float, default=22.0, help="--largest: GiB of resident memory per trial")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print("@@" + json.dumps(worker(*args.worker)), flush=True)
-        return
-    names = args.only.split(",") if args.only else list(CONFIGURATIONS)
-    rows = []
-    for size in args.sizes.split(","):
-        for name in names:
-            rows.append(run(size, name))
-            r = rows[-1]
-            print(f"{size} {name}: " + (r["failure"] if "failure" in r else
-                  f"peak {r['peak'] / MB:,.0f} MB, rest {r['rest'] / MB:,.0f} MB, {r['parameters']:,} parameters"),
-                  file=sys.stderr, flush=True)
-    report(rows)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+        print("@@" + json.dumps(worker(json.loads(args.worker))), flush=True)
+    elif args.checkpointing:
+        checkpointing()
+    elif args.largest:
+        largest(args.limit * 2**30)
+    else:
+        table(args.sizes.split(","), args.only.split(",") if args.only else list(CONFIGURATIONS))
 
 
 if __name__ == "__main__":
