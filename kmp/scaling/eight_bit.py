@@ -114,11 +114,23 @@ class _EightBitStates:
         beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         states = self._states(index)
-        step, new_states = adam_update(gradient, [_read(state) for state in states], alpha, 1 - self.beta_1,
-                                       1 - self.beta_2, self.epsilon, self.block_size, local_step)
+        # One variable's update at a time: each decodes its moments to float32 (8 bytes per element, and as
+        # much again for the new ones), and TensorFlow would run every variable's at once, holding more than
+        # the 8-bit states save (benchmarks/memory.py).
+        with tf.control_dependencies(self._updated_before()):
+            step, new_states = adam_update(gradient, [_read(state) for state in states], alpha, 1 - self.beta_1,
+                                           1 - self.beta_2, self.epsilon, self.block_size, local_step)
+        self._last_update = step
         self.assign_sub(variable, ops.reshape(step, variable.shape))
         for state, value in zip(states, new_states):
             self.assign(state, value)
+
+    def _updated_before(self) -> list:
+        """The previous variable's update in the graph being traced (none in another graph, or eagerly)."""
+        last = getattr(self, "_last_update", None)
+        if last is None or tf.executing_eagerly() or last.graph is not tf.compat.v1.get_default_graph():
+            return []
+        return [last]
 
     def moments(self, variable) -> tuple[tf.Tensor, tf.Tensor]:
         """(m, v) of `variable` as float32, decoded (for inspection and tests)."""
@@ -171,12 +183,14 @@ def adam_update(grad, states, alpha, one_minus_beta_1, one_minus_beta_2, epsilon
 
 
 # One tf.function per block size, of any length: in a traced step each variable's update is then one op, traced
-# once, not some sixty ops traced again for each variable; XLA and TensorFlow's graph optimizer inline it.
+# once, not some sixty ops traced again for each variable. Compiled (once per length; inlined inside an XLA
+# step), the decode, update and encode are one pass that holds no float32 moment: run by TensorFlow op by
+# op, each variable's update held 24 bytes per element of temporaries (benchmarks/memory.py).
 @functools.lru_cache(maxsize=None)
 def _adam_update_function(block_size: int, stochastic: bool):
     vector, scalar = tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)
     update = functools.partial(_adam_update, block_size=block_size, stochastic=stochastic)
-    return tf.function(update, autograph=False, input_signature=[
+    return tf.function(update, autograph=False, jit_compile=True, input_signature=[
         vector, tf.TensorSpec([None], tf.uint8), vector, tf.TensorSpec([None], tf.uint8), vector, *[scalar] * 4,
         tf.TensorSpec([], tf.int32)])
 
