@@ -109,9 +109,17 @@ def test_the_error_gives_a_dtype_policy_map_for_a_layer_deep_in_a_keras_hub_back
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     message = str(info.value)
     assert "in layer 'gpt2_backbone/transformer_layer_0/feedforward_intermediate_dense' (Dense" in message, message
-    assert ("build the GPT2Backbone with\n    dtype=keras.dtype_policies.DTypePolicyMap(\n"
-            '        default_policy="mixed_float16", policy_map={"transformer_layer_0/feedforward_intermediate_dense": '
-            '"float32"})') in message, message
+    fix = ('    policies = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")\n'
+           f'    policies["{PATH}"] = "float32"\n'
+           "and build the GPT2Backbone with dtype=policies\n")
+    assert fix in message, message
+    # The fix as written: the layer computes in float32, and the model trains.
+    policies = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")
+    policies[PATH] = "float32"
+    fixed = _gpt2(dtype=policies)
+    fixed.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), loss=_lm_loss(), jit_compile=False)
+    fixed.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert int(fixed.optimizer.iterations.numpy()) == 1
 
 
 # --- "float32" ---------------------------------------------------------------------
@@ -174,12 +182,13 @@ SEQ = 16
 PATH = "transformer_layer_0/feedforward_intermediate_dense"  # the feed-forward block's first Dense (gelu)
 
 
-def _gpt2(ffn_float32=False, hot=True):
+def _gpt2(ffn_float32=False, hot=True, dtype=None):
     import keras_hub
 
     keras.utils.set_random_seed(0)
-    dtype = keras.dtype_policies.DTypePolicyMap(
-        default_policy="mixed_float16", policy_map={PATH: keras.dtype_policies.get("float32")}) if ffn_float32 else None
+    if ffn_float32:
+        dtype = keras.dtype_policies.DTypePolicyMap(default_policy="mixed_float16")
+        dtype[PATH] = "float32"
     backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=32,
                                              intermediate_dim=64, max_sequence_length=SEQ, dropout=0.0, dtype=dtype)
     model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)

@@ -174,13 +174,13 @@ def fix_text(model: keras.Model, layer: keras.layers.Layer, name: str) -> str:
         return (f'    model.get_layer("{layer.name}").dtype_policy = "float32"\n'
                 "before compile() (after it, compile() again)")
     backbone = _backbone_of(model, layer)
+    # A DTypePolicyMap made with policy_map={...} keeps a string value as it is; its `[]=` converts.
+    policies = (f'    policies = keras.dtype_policies.DTypePolicyMap(default_policy="{policy}")\n'
+                f'    policies["{layer.path}"] = "float32"\n')
     if backbone is not None:
-        return (f"build the {type(backbone).__name__} with\n"
-                f"    dtype=keras.dtype_policies.DTypePolicyMap(\n"
-                f'        default_policy="{policy}", policy_map={{"{layer.path}": "float32"}})')
-    return (f"set it where the layer that holds it ('{name.rpartition('/')[0]}') makes it: "
-            f'dtype="float32", or pass that layer dtype=keras.dtype_policies.DTypePolicyMap('
-            f'default_policy="{policy}", policy_map={{"{layer.path}": "float32"}})')
+        return f"{policies}and build the {type(backbone).__name__} with dtype=policies"
+    return (f"{policies}and pass dtype=policies to the layer that makes it ('{name.rpartition('/')[0]}'), if it "
+            "hands its dtype to the layers it makes; or make the layer with dtype=\"float32\" there")
 
 
 def error(model: keras.Model, reason: str | None = None) -> LossScaleError:
