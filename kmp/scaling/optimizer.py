@@ -373,8 +373,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with tf.control_dependencies([] if printed is None else [printed]):
             self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
         if overflow.flag_count(flags):
-            first = tf.argmin(tf.cast(overflow.flag_vector(flags), tf.int32), output_type=tf.int64)  # first False
-            self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
+            vector = overflow.flag_vector(flags)
+            first = tf.argmin(tf.cast(vector, tf.int32), output_type=tf.int64)  # first False
+            named = tf.logical_not(finite) & tf.logical_not(tf.reduce_all(vector))
+            self.overflow_variable.assign(typed_where(named, first, self.overflow_variable.value))
 
     def save_own_variables(self, store):
         """Keras's format (one value per variable), plus every replica's own
@@ -483,8 +485,11 @@ class _PerVariable:
         return [g if o else r for g, r, o in zip(grads, shared, self.own)]
 
     def check(self, optimizer, grads):
-        flags = finite_flags(grads)  # which variables overflowed, for the log line
+        flags = finite_flags(grads)
         finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        # Which gradients overflowed, for the log line: the float8 values (amax history, scales) are state, not
+        # gradients, and are not named (a non-finite one still skips the step, as in Keras).
+        flags = [tf.constant(True) if o else f for f, o in zip(flags, self.own)]
         finite, clip = clipped_check(finite, [g for g, o in zip(grads, self.own) if not o], optimizer.gradient_clipping)
         return finite, clip, flags
 

@@ -256,6 +256,8 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
         more = tf.size(bad) - NAMED
         text = tf.strings.reduce_join(bad[:NAMED], separator=", ")
         text += tf.where(more > 0, tf.strings.format(", and {} more", more), "")
+        # Every gradient finite: only the float8 scaling state was not (it still skips the step, as in Keras).
+        text = tf.where(tf.size(bad) > 0, text, "none (float8 scaling state only: amax history, scales)")
         return ["| non-finite gradients:", text]
 
     def line(*parts):
