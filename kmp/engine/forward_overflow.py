@@ -138,7 +138,7 @@ def to_float32(model: keras.Model, layer: keras.layers.Layer) -> None:
 
     A layer of the model itself keeps its policy in its own config. A layer inside a keras-hub backbone
     is made again from the backbone's `dtype` on load, so the backbone's policy becomes a
-    keras.dtypes_policies.DTypePolicyMap with an entry for the layer's path (the policy it had stays
+    keras.dtype_policies.DTypePolicyMap with an entry for the layer's path (the policy it had stays
     the default)."""
     float32 = keras.dtype_policies.get("float32")
     backbone = _backbone_of(model, layer)
@@ -146,8 +146,9 @@ def to_float32(model: keras.Model, layer: keras.layers.Layer) -> None:
         policies = backbone.dtype_policy
         if not isinstance(policies, keras.dtype_policies.DTypePolicyMap):
             policies = keras.dtype_policies.DTypePolicyMap(default_policy=policies)
-            backbone._dtype_policy = policies  # its own compute dtype stays the default
-        if not isinstance(layer._dtype_policy, keras.dtype_policies.DTypePolicyMap):
+            backbone.dtype_policy = policies  # its own compute dtype stays the default
+        # (`dtype_policy` is the map itself where a layer holds one; the setter below writes into it.)
+        if not isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
             policies[layer.path] = float32
     layer.dtype_policy = float32  # writes into the map where the layer holds one (Keras's setter)
 
