@@ -55,7 +55,8 @@ class ConfigError(KmpError, ValueError):
 
 
 class LossScaleError(KmpError, RuntimeError):
-    """The loss scale is at its floor and gradients still overflow."""
+    """The loss scale is at its floor and gradients still overflow; or a layer's float16 output overflowed,
+    which no scale fixes (then `layer` is its name)."""
 
 
 def loose(name: str) -> str:

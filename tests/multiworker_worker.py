@@ -546,6 +546,7 @@ def forward_overflow(strategy) -> dict:
     import keras
     import numpy as np
 
+    import kmp
     import kmp.distribute
     from kmp.engine import overflow_layer
     from kmp.callbacks import LossScaleMonitor
@@ -557,16 +558,25 @@ def forward_overflow(strategy) -> dict:
     with strategy.scope():
         inputs = keras.Input((FEATURES,))
         # Linear: tanh would turn the inf into 1 and nothing downstream would overflow.
-        hidden = keras.layers.Dense(4, kernel_initializer="ones", name="hot")(inputs)
-        model = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(1, name="out")(hidden)))
-        model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), initial_scale=INITIAL_SCALE), loss="mse")
-    kmp.distribute.prepare(model)
+        models = {}
+        for mode in ("backoff", "raise"):  # "backoff": the step goes on, to read the state; "raise": the default
+            inputs = keras.Input((FEATURES,))
+            hidden = keras.layers.Dense(4, kernel_initializer="ones", name="hot")(inputs)
+            models[mode] = keras.Model(inputs, kmp.float32_output(keras.layers.Dense(1, name="out")(hidden)))
+            models[mode].compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.1), initial_scale=INITIAL_SCALE,
+                                                    forward_overflow=mode), loss="mse")
+    model = kmp.distribute.prepare(models["backoff"])
     history = model.fit(make_dataset(x, y), epochs=1, verbose=0, callbacks=[LossScaleMonitor()])
     state = overflow_layer.state_of(model)
     layers = [int(v.numpy()) for v in strategy.experimental_local_results(state.layer.value)]
     logged = int(history.history["overflow_layer"][-1])
+    try:
+        kmp.distribute.prepare(models["raise"]).fit(make_dataset(x, y), epochs=1, verbose=0)
+        raised = None
+    except kmp.LossScaleError as e:
+        raised = [getattr(e, "layer", None), int(models["raise"].optimizer.skipped_steps.numpy())]
     return {"overflows": history.history["overflows"], "logged": model.layers[logged].name if logged >= 0 else None,
-            "named": [model.layers[i].name if i >= 0 else None for i in layers]}
+            "named": [model.layers[i].name if i >= 0 else None for i in layers], "raised": raised}
 
 
 def stuck_at_the_floor(strategy) -> dict:

@@ -304,11 +304,13 @@ def test_a_window_saved_by_two_replicas_of_one_process_loads_into_two_workers(wo
 
 def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_share(workers):
     """Only worker 1's rows overflow layer 'hot'; the diagnoses are gathered,
-    so worker 0 (which prints the overflow line) names it too."""
+    so worker 0 (which prints the overflow line) names it too, and with the default
+    forward_overflow="raise" both workers stop at that first step, naming it."""
     for w in workers:
         found = w["forward_overflow"]
         assert found["overflows"] == [1.0]
         assert found["named"] == ["hot"] and found["logged"] == "hot", (w["task"], found)
+        assert found["raised"] == ["hot", 1], (w["task"], found)
 
 
 def test_a_step_stuck_at_the_floor_stops_fit_on_every_worker_and_the_job_goes_on(workers):

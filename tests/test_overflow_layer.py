@@ -74,6 +74,9 @@ def _subclassed():
 
 
 def _compiled(model, jit_compile=False, **optimizer_args):
+    # Back off as any overflow: these tests follow the diagnosis over several overflows. What a forward
+    # overflow does otherwise is tests/test_forward_overflow.py's.
+    optimizer_args.setdefault("forward_overflow", "backoff")
     model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01), **optimizer_args), loss="mse",
                   jit_compile=jit_compile)
     return model
@@ -318,7 +321,8 @@ def test_a_layer_with_its_own_loop_is_diagnosed_in_fit(capfd):
 
 def test_fit_names_the_layer_when_run_eagerly(capfd):
     model = _craft(_functional())
-    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01)), loss="mse", run_eagerly=True)
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01), forward_overflow="backoff"), loss="mse",
+                  run_eagerly=True)
     history = _fit(kmp.prepare(model), *_batch(hot=[0]))
     assert model.layers[int(history.history["overflow_layer"][0])].name == "d2"
     assert _LINE in capfd.readouterr().err

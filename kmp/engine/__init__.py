@@ -12,6 +12,7 @@
     xla_choice.py      whether a forward/backward's trace is worth XLA's compile
     iterators.py       finished input iterators destroyed off the main thread
     overflow_layer.py  find_overflow: which layer's forward output overflowed
+    forward_overflow.py  a layer's float16 output not finite: raised, or the layer moved to float32
     prepare.py         prepare(model): fit() under strategies (kmp.prepare)
     state.py           the one object kmp keeps on a model: prepare's settings, the caches above
 

@@ -202,6 +202,11 @@ class Engine:
             tf.cond(overflowed, lambda: buffers.store_weights_here() or tf.no_op(), tf.no_op)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def forget_steps(self) -> None:
+        """Drops the traced forward/backward functions: the next step traces the model again (a layer's
+        dtype policy changed: kmp.engine.forward_overflow)."""
+        self.__dict__.pop("_steps", None)
+
     def _compiled(self):
         key = replica_step.replica_key()
         cache = self._steps

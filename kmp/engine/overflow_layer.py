@@ -221,7 +221,16 @@ class State:
             self.layer = keras.Variable(-1, dtype="int32", trainable=False, aggregation="none", name="overflow_layer")
             self.what = keras.Variable(NOTHING, dtype="int32", trainable=False, aggregation="none",
                                        name="overflow_what")
+            # Forward overflows found (kmp.engine.forward_overflow); `forward_seen`: how many the host acted on.
+            self.forward = keras.Variable(0, dtype="int32", trainable=False, aggregation="none",
+                                          name="forward_overflows")
+        self.forward_seen = 0
         self.names: tuple[str, ...] = ()
+        self.table: list = []  # layer_table(model) when the step was traced
+        # Whether the host reads `forward` after each call (forward_overflow="float32", or "raise" in XLA,
+        # where no assert compiles); set when the step is traced.
+        self.host_checks = False
+        self.moved: list[str] = []  # the layers forward_overflow="float32" moved to float32
 
     def text(self) -> str:
         """The line's ending for the state now, as the step prints it (host values)."""
@@ -259,6 +268,9 @@ def diagnosing_step(model: keras.Model, step_function):
             # its first step; the optimizer's counter must exist to be read.
             model._symbolic_build(data_batch=data)
         before = tf.convert_to_tensor(optimizer.skipped_steps.value)
+        # The scale state the step starts from: a forward overflow puts it back (no scale fixes one).
+        kept = [] if forward_mode(optimizer) == "backoff" else [
+            tf.convert_to_tensor(v.value) for v in (optimizer.dynamic_scale, optimizer.hysteresis_left)]
         ending = optimizer.log_overflows and not overflow.in_xla()
         with overflow.continued_line(optimizer) if ending else contextlib.nullcontext():
             logs = step_function(data)
@@ -267,18 +279,34 @@ def diagnosing_step(model: keras.Model, step_function):
         context = tf.distribute.get_replica_context()
         replica = tf.constant(0) if context is None else context.replica_id_in_sync_group
         merge = functools.partial(_diagnose_if, model, state, ending)
-        tf.__internal__.distribute.interim.maybe_merge_call(merge, tf.distribute.get_strategy(), overflowed, x, replica)
+        tf.__internal__.distribute.interim.maybe_merge_call(merge, tf.distribute.get_strategy(), overflowed, x, replica,
+                                                             kept)
         return logs
 
     return step
 
 
-def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
+def forward_mode(optimizer) -> str:
+    """What a forward overflow does (kmp.engine.forward_overflow): the optimizer's `forward_overflow`, or
+    "backoff" where the scale is static (float32, bfloat16: the step is skipped as any other)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    return getattr(optimizer, "forward_overflow", "backoff") if config is not None and config.dynamic else "backoff"
+
+
+def is_forward(layer, what):
+    """Whether a diagnosis (layer number, what) names a forward overflow: a layer's output not finite, or
+    its inputs, while the batch and every earlier output were."""
+    return (layer >= 0) & ((what == OUTPUT_INF) | (what == OUTPUT_NAN) | (what == INPUTS))
+
+
+def _diagnose_if(model, state, ending, strategy, overflowed, x, replica, kept):
     # Cross-replica context (after every replica's step) where the strategy
     # merges: a collective or merge_call inside a replica-context cond fails.
     local = strategy.experimental_local_results
     table = layer_table(model)
     state.names = tuple(f"'{name}' ({type(layer).__name__})" for layer, name in table)
+    state.table = table
+    optimizer, mode = model.optimizer, forward_mode(model.optimizer)
 
     def diagnose():
         if overflow.in_xla():  # the whole step is one XLA computation (one device): traced into it
@@ -293,13 +321,31 @@ def _diagnose_if(model, state, ending, strategy, overflowed, x, replica):
         layer, what = tf.unstack(tf.gather(found, tf.argmin(rank, output_type=tf.int32)))
         state.layer.assign(layer)
         state.what.assign(what)
+        if mode != "backoff":  # kmp.engine.forward_overflow
+            forward = is_forward(layer, what)
+            scale = local(kept[0])[0]
+
+            def keep():
+                optimizer.dynamic_scale.assign(scale)
+                optimizer.hysteresis_left.assign(local(kept[1])[0])
+                state.forward.assign_add(1)
+                return tf.constant(True)
+
+            tf.cond(forward, keep, lambda: tf.constant(False))
+            state.host_checks = state.host_checks or mode == "float32" or overflow.in_xla()
         # The optimizer printed its line, without its end, where replica 0 runs
         # (this worker, unless multi-worker; the ids are constants in practice).
         ids = [tf.get_static_value(i) for i in local(replica)]
         if ending and (0 in ids or None in ids):
             text = overflow.layer_text_tensor(what, layer, state.names)
+            if mode != "backoff":
+                text += tf.where(forward, tf.strings.format(overflow.FORWARD_KEPT, scale), "")
             here = tf.reduce_any(tf.equal(tf.stack(local(replica)), 0))
             tf.cond(here, lambda: tf.print(text, output_stream=sys.stderr), tf.no_op)
+        if mode == "raise" and not overflow.in_xla():
+            # After the writes above (program order): kmp.engine.forward_overflow.watching raises
+            # kmp.LossScaleError from the state.
+            tf.debugging.Assert(tf.logical_not(forward), [overflow.FORWARD_MARKER])
 
     tf.cond(local(overflowed)[0], diagnose, lambda: None)
 

@@ -28,7 +28,8 @@ import tensorflow as tf
 from kmp import seams, values
 from kmp.distribute.leaving import leave_last
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, host_batches, iterators, overflow_layer, recompute, replica_step, state, wall_clock
+from kmp.engine import engine, forward_overflow, host_batches, iterators, overflow_layer, recompute, replica_step
+from kmp.engine import state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
 from kmp.errors import KmpError, Problem, check
@@ -281,7 +282,8 @@ def _make_function_prepared(self, step_function):
         return _build_function(self, step_function, train=False)  # evaluate()'s
     if getattr(step_function, "__func__", None) is not seams.get("TensorFlowTrainer").train_step:
         return _build_function(self, step_function)  # the model's own train_step
-    return _falling_back(self, step_function)
+    # Made again when a layer moves to float32 (forward_overflow="float32").
+    return forward_overflow.watching(self, lambda: _falling_back(self, step_function))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,8 +454,8 @@ def _falling_back(model, step_function):
             try:
                 result = function(iterator)
             except _BUILD_ERRORS as error:
-                if ran or isinstance(error, KmpError):
-                    raise
+                if ran or isinstance(error, KmpError) or overflow.FORWARD_MARKER in str(error):
+                    raise  # a forward overflow's assert: kmp.engine.forward_overflow.watching raises it
                 path = _path_to_drop(model, error)
                 if path is None:
                     raise

@@ -58,6 +58,8 @@ from kmp.scaling.gradients import clipped_check, finite_flags, typed_where, unsc
 
 logger = logging.getLogger(__name__)
 
+# What a forward overflow does (kmp.engine.forward_overflow says each).
+FORWARD_OVERFLOW = ("raise", "float32", "backoff")
 _STATE_FIELDS = ("hysteresis_left", "good_steps", "skipped_steps", "overflow_variable")
 # The loss-scale keywords' defaults: LossScaleConfig's, written once there.
 _DEFAULTS = LossScaleConfig()
@@ -84,6 +86,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `kmp.wrap` passes); then leave the arguments above at their defaults.
         log_overflows: print one line per overflow (not on clean steps).
             Lines are not printed inside XLA-compiled steps.
+        forward_overflow: what a forward overflow does, an overflow no loss
+            scale can fix (a layer's output not finite; kmp.engine.forward_overflow):
+            "raise" kmp.LossScaleError naming the layer and the fix, at once;
+            "float32" computes that layer in float32 and trains on; "backoff"
+            treats it as any overflow (the scale backs off, as Keras and DeepSpeed do).
         gradient_accumulation_steps: micro-batches per optimizer step (None: 1).
         gradient_clipping: clip the all-reduced, unscaled gradient to this
             global norm (DeepSpeed's `gradient_clipping`); the inner optimizer
@@ -115,6 +122,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         growth_factor=_DEFAULTS.growth_factor,
         backoff_factor=_DEFAULTS.backoff_factor,
         log_overflows=True,
+        forward_overflow="raise",
         gradient_accumulation_steps=None,
         fused=True,
         communication=None,
@@ -136,6 +144,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         problems += more + even_more
         values.boolean("fused", fused, problems)
         values.boolean("log_overflows", log_overflows, problems)
+        values.choice("forward_overflow", forward_overflow, FORWARD_OVERFLOW, problems)
         if gradient_accumulation_steps is not None:
             values.int_in("gradient_accumulation_steps", gradient_accumulation_steps, 1, problems)
         if gradient_clipping is not None:
@@ -154,6 +163,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
         self.loss_scale_config = config
         self.log_overflows = log_overflows
+        self.forward_overflow = forward_overflow
         self.fused = fused
         self.communication = communication
         self.gradient_clipping = values.plain(gradient_clipping)
@@ -217,7 +227,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns whether a step traced now may assert: False in a model's train function call that began
         before kmp wrapped it; its wrapper then checks the state after the call."""
         config = self.loss_scale_config
-        if config.dynamic and config.raise_at_min_scale:
+        if config.dynamic and (config.raise_at_min_scale or self.forward_overflow != "backoff"):
             model = calling_model(self)
             if model is not None:
                 return overflow.raise_floor_errors_in(model)
@@ -373,8 +383,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with tf.control_dependencies([] if printed is None else [printed]):
             self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), self.skipped_steps.dtype))
         if overflow.flag_count(flags):
-            first = tf.argmin(tf.cast(overflow.flag_vector(flags), tf.int32), output_type=tf.int64)  # first False
-            self.overflow_variable.assign(typed_where(finite, self.overflow_variable.value, first))
+            vector = overflow.flag_vector(flags)
+            first = tf.argmin(tf.cast(vector, tf.int32), output_type=tf.int64)  # first False
+            named = tf.logical_not(finite) & tf.logical_not(tf.reduce_all(vector))
+            self.overflow_variable.assign(typed_where(named, first, self.overflow_variable.value))
 
     def save_own_variables(self, store):
         """Keras's format (one value per variable), plus every replica's own
@@ -413,6 +425,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = super().get_config()
         config.update(dataclasses.asdict(self.loss_scale_config))
         config["log_overflows"] = self.log_overflows
+        config["forward_overflow"] = self.forward_overflow
         config["gradient_accumulation_steps"] = None if self.accumulation is None else self.accumulation.initial_steps
         config["gradient_clipping"] = self.gradient_clipping
         config["fused"] = self.fused
@@ -482,8 +495,11 @@ class _PerVariable:
         return [g if o else r for g, r, o in zip(grads, shared, self.own)]
 
     def check(self, optimizer, grads):
-        flags = finite_flags(grads)  # which variables overflowed, for the log line
+        flags = finite_flags(grads)
         finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        # Which gradients overflowed, for the log line: the float8 values (amax history, scales) are state, not
+        # gradients, and are not named (a non-finite one still skips the step, as in Keras).
+        flags = [tf.constant(True) if o else f for f, o in zip(flags, self.own)]
         finite, clip = clipped_check(finite, [g for g, o in zip(grads, self.own) if not o], optimizer.gradient_clipping)
         return finite, clip, flags
 

@@ -122,7 +122,10 @@ def raise_floor_errors_in(model) -> bool:
         make = model.make_train_function
 
         def make_train_function(force=False):
-            make(force)  # Keras's sets model.train_function (and returns it only when it was there)
+            # Keras's sets model.train_function (and returns it only when it was there); on a model kmp.prepare
+            # did not take, kmp's own puts the overflow-layer finder in the step (kmp.engine.forward_overflow).
+            if not _forward_overflow().make_with_finder(model, force):
+                make(force)
             function = model.train_function
             if not getattr(function, "kmp_raises_floor", False):
                 function = model.train_function = raising_loss_scale_errors(function, model)
@@ -143,6 +146,19 @@ def raise_floor_errors_in(model) -> bool:
     with tf.init_scope():  # the state the call in progress starts from
         wrapper.checks.append(FloorCheck(model.optimizer, int(model.steps_per_execution or 1), unseen=True))
     return False
+
+
+# A forward overflow (kmp.engine.forward_overflow): what the step's assert carries, and the overflow
+# line's ending when the scale is kept.
+FORWARD_MARKER = "kmp: forward overflow (kmp.LossScaleError names the layer)"
+FORWARD_KEPT = " | no loss scale fixes a forward overflow: the scale stays {}"
+
+
+def _forward_overflow():
+    """kmp.engine.forward_overflow, a floor above this module (it runs the model's layers), imported when used."""
+    from kmp.engine import forward_overflow
+
+    return forward_overflow
 
 
 def settle_floor(model) -> None:
@@ -240,6 +256,8 @@ def log_overflow(config: LossScaleConfig, finite, old: loss_scale.LossScaleState
         more = tf.size(bad) - NAMED
         text = tf.strings.reduce_join(bad[:NAMED], separator=", ")
         text += tf.where(more > 0, tf.strings.format(", and {} more", more), "")
+        # Every gradient finite: only the float8 scaling state was not (it still skips the step, as in Keras).
+        text = tf.where(tf.size(bad) > 0, text, "none (float8 scaling state only: amax history, scales)")
         return ["| non-finite gradients:", text]
 
     def line(*parts):

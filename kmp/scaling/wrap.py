@@ -42,14 +42,14 @@ from kmp.config.settings import Config, LossScaleConfig, attempt, communication_
 from kmp.errors import Problem, check, did_you_mean
 from kmp.precision import Precision, resolve_precision
 from kmp.scaling.eight_bit import with_states
-from kmp.scaling.optimizer import LossScaleOptimizer, own_clipping
+from kmp.scaling.optimizer import FORWARD_OVERFLOW, LossScaleOptimizer, own_clipping
 from kmp.schedules.keras import build_schedule
 from kmp.schedules.momentum import with_momentum_schedule
 
 _SCALE_FIELDS = tuple(f.name for f in dataclasses.fields(LossScaleConfig))
 _TOP_FIELDS = ("gradient_clipping", "gradient_accumulation_steps", "train_batch_size", "micro_batch_size",
                "wall_clock_breakdown", "steps_per_print", "zero_stage")
-_OPTIMIZER_FIELDS = ("log_overflows", "fused", "communication")
+_OPTIMIZER_FIELDS = ("log_overflows", "forward_overflow", "fused", "communication")
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
@@ -75,6 +75,8 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
             any `kmp.LossScaleOptimizer` argument), `gradient_clipping`,
             `gradient_accumulation_steps`, `train_batch_size`,
             `micro_batch_size` (these also fill "auto" values),
+            `forward_overflow` ("raise", "float32", "backoff": what a float16
+            layer whose forward output overflows does; docs/loss-scaling.md),
             `wall_clock_breakdown` and `steps_per_print` (DeepSpeed's
             timers, applied by `kmp.prepare(model)`: kmp.engine.wall_clock),
             `zero_stage=1` (the optimizer state sharded across replicas on
@@ -234,6 +236,8 @@ def _with_overrides(settings: Config, overrides: dict[str, Any]) -> tuple[Config
     for name in ("fused", "log_overflows"):
         if name in extra:
             values.boolean(name, extra[name], problems)
+    if "forward_overflow" in extra:
+        values.choice("forward_overflow", extra["forward_overflow"], FORWARD_OVERFLOW, problems)
     if extra.get("communication") is not None:
         extra["communication"], more = communication_of(extra["communication"])
         problems += more
