@@ -588,3 +588,24 @@ def test_deepspeeds_zero_keys_load_and_those_kmp_does_not_act_on_are_named_in_on
         "zero_optimization.reduce_bucket_size, zero_optimization.stage3_max_live_parameters, "
         "zero_optimization.prefetch_bucket_size. Keep them if DeepSpeed reads the same file; remove them to silence "
         "this warning."]
+
+
+def test_an_activation_checkpointing_block_turns_it_on_and_names_the_keys_not_honoured():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load_config({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False,
+                                                           "number_checkpoints": 4, "profle": True}})
+    assert config.activation_checkpointing
+    said = [str(w.message) for w in caught]
+    honoured_not = [s for s in said if "does not honour these keys of activation_checkpointing" in s]
+    assert len(honoured_not) == 1 and "partition_activations=true" in honoured_not[0]
+    assert "number_checkpoints=4" in honoured_not[0] and "cpu_checkpointing" not in honoured_not[0]
+    assert any("activation_checkpointing.profle (Did you mean 'profile'?)" in s for s in said)
+    assert load_config(to_deepspeed(config)).activation_checkpointing
+    assert not load_config({}).activation_checkpointing
+    with pytest.raises(ConfigError, match="activation_checkpointing.profle: expected a key"):
+        load_config({"activation_checkpointing": {"profle": True}}, strict=True)
+    with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing: expected true or false"):
+        load_config({"activation_checkpointing": {"cpu_checkpointing": "yes"}})
+    with pytest.raises(ConfigError, match="activation_checkpointing: expected a JSON object"):
+        load_config({"activation_checkpointing": True})

@@ -131,3 +131,18 @@ def test_named_blocks_and_bad_names():
     kmp.prepare(model, activation_checkpointing=False)
     assert recompute.checkpointed(model) == []
     assert not any("call" in layer.__dict__ for layer in model._flatten_layers())
+
+
+def test_a_deepspeed_config_with_the_block_turns_it_on_at_prepare():
+    keras.backend.clear_session()
+    model = _gpt2()
+    model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3), {"activation_checkpointing": {}}),
+                  loss=keras.losses.SparseCategoricalCrossentropy(True))
+    kmp.prepare(model)
+    assert len(recompute.checkpointed(model)) == 2
+    kmp.prepare(model, activation_checkpointing=False)
+    assert recompute.checkpointed(model) == []
+    plain = _gpt2()
+    plain.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-3)), loss="mse")
+    kmp.prepare(plain)
+    assert recompute.checkpointed(plain) == []

@@ -145,7 +145,7 @@ _BLOCKS = ("fp16", "bf16", "kmp")
 # monitor/config.py of DeepSpeed 0.19) that kmp does not act on.
 _IGNORED: dict[str, list[str]] = {
     "": """memory_breakdown
-        dump_state activation_checkpointing flops_profiler autotuning tensorboard wandb csv_monitor comet
+        dump_state flops_profiler autotuning tensorboard wandb csv_monitor comet
         trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
         seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather data_types
         checkpoint aio elasticity compression_training quantize_training data_efficiency
@@ -157,9 +157,9 @@ _IGNORED: dict[str, list[str]] = {
     "bf16": ["immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"],
 }
 # Top-level blocks read by their own modules.
-_READ_ELSEWHERE = ("optimizer", "scheduler", "zero_optimization")
+_READ_ELSEWHERE = ("optimizer", "scheduler", "zero_optimization", "activation_checkpointing")
 # Where "auto" may stay: blocks kmp does not act on, and ZeRO's tuning keys.
-_AUTO_LEFT = tuple(_IGNORED[""]) + ("zero_optimization",)
+_AUTO_LEFT = tuple(_IGNORED[""]) + ("zero_optimization", "activation_checkpointing")
 
 
 DEEPSPEED_CONFIG = Config(loss_scale=DEEPSPEED_LOSS_SCALE)  # a file with no keys
@@ -397,6 +397,11 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
         problems += more
         notes += zero_notes
         ignored += zero_ignored
+    if "activation_checkpointing" in raw:
+        top["activation_checkpointing"], checkpointing_notes, more = _activation_checkpointing(
+            raw["activation_checkpointing"], strict, unknown)
+        problems += more
+        notes += checkpointing_notes
     # Constructing validates ranges; problems come back under field names and
     # are reported under the JSON key path, with the value as written there.
     rows = {row.field: row for row in DEEPSPEED_KEYS}
@@ -430,6 +435,58 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
         notes.append(f"kmp does not act on these keys of the {name}, and ignores them: {', '.join(ignored)}. "
                      "Keep them if DeepSpeed reads the same file; remove them to silence this warning.")
     return config, notes
+
+
+# DeepSpeed's activation_checkpointing keys (deepspeed/runtime/activation_checkpointing/config.py): what each
+# would do, and why kmp does not, said where the file turns it on.
+_CHECKPOINTING_KEYS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
+    "partition_activations": ("true or false", lambda v: isinstance(v, bool),
+                              "it splits the checkpoints across model-parallel ranks, and kmp has no model "
+                              "parallelism: each replica keeps its blocks' inputs whole"),
+    "cpu_checkpointing": ("true or false", lambda v: isinstance(v, bool),
+                          "kmp keeps the checkpoints on the device that computes them (on a CPU, host memory "
+                          "already)"),
+    "contiguous_memory_optimization": ("true or false", lambda v: isinstance(v, bool),
+                                       "TensorFlow allocates the checkpoints; there is no buffer of kmp's to make "
+                                       "contiguous"),
+    "number_checkpoints": ("an integer >= 1 or null", lambda v: v is None or (is_int(v) and v >= 1),
+                           "it sizes DeepSpeed's contiguous buffer; kmp.prepare finds the blocks itself (or is "
+                           "given them: activation_checkpointing=[...])"),
+    "synchronize_checkpoint_boundary": ("true or false", lambda v: isinstance(v, bool),
+                                        "it synchronizes CUDA at each checkpoint; a TensorFlow graph orders its ops "
+                                        "itself"),
+    "profile": ("true or false", lambda v: isinstance(v, bool),
+                "it times DeepSpeed's checkpoint functions; kmp's wall_clock_breakdown times the forward and "
+                "backward pass whole"),
+}
+
+
+def _activation_checkpointing(block: Any, strict: bool, unknown: list[str]) -> tuple[bool, list[str], list[Problem]]:
+    """(on, warnings, problems) of an `activation_checkpointing` block: present, it turns kmp.prepare's
+    activation checkpointing on (docs/memory.md); each key set that kmp does not honour is said, with why."""
+    if not isinstance(block, Mapping):
+        return False, [], [Problem("activation_checkpointing", "a JSON object {...}", block)]
+    problems, honoured_not = [], []
+    for key, value in block.items():
+        path = f"activation_checkpointing.{key_name(key)}"
+        if key not in _CHECKPOINTING_KEYS:
+            fix = did_you_mean(str(key), _CHECKPOINTING_KEYS) or f"It accepts: {', '.join(_CHECKPOINTING_KEYS)}."
+            if strict:
+                problems.append(_unknown_key(path, "activation_checkpointing", value, fix))
+            else:  # DeepSpeed's block reads the keys it knows and ignores the others
+                unknown.append(f"{path} ({fix})")
+            continue
+        expected, accepts, why = _CHECKPOINTING_KEYS[key]
+        if isinstance(value, str) and value == "auto":
+            continue  # Hugging Face's: DeepSpeed's Trainer fills it; kmp honours none of these keys anyway
+        if not accepts(value):
+            problems.append(Problem(path, expected, value))
+        elif value not in (False, None):
+            honoured_not.append(f"{key}={json.dumps(value)} ({why})")
+    notes = [f"kmp does not honour these keys of activation_checkpointing: {'; '.join(honoured_not)}. kmp.prepare "
+             "recomputes each block's activations in the backward pass, as the block asks (docs/memory.md)."
+             ] if honoured_not else []
+    return True, notes, problems
 
 
 _ZERO_STAGES = {
@@ -532,6 +589,8 @@ def to_deepspeed(config: Config) -> dict[str, Any]:
         out["scheduler"] = config.scheduler
     if config.zero_stage:
         out["zero_optimization"] = {"stage": config.zero_stage}
+    if config.activation_checkpointing:
+        out["activation_checkpointing"] = {}
     return out
 
 

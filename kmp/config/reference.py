@@ -78,6 +78,12 @@ def reference() -> str:
         field = key.removeprefix("stage3_")
         alias = f" (or `{field}`)" if field != key and field in zero_block.KEYS else ""
         out.append(f"| `{key}`{alias} | {expected}{keys} |")
+    out += ["", "### `activation_checkpointing`", "",
+            "Present, the block turns on `kmp.prepare`'s activation checkpointing (docs/memory.md). Its keys, "
+            "as DeepSpeed reads them; one warning names those set that kmp does not honour, and why:", "",
+            "| key | expected | not honoured because |", "| --- | --- | --- |"]
+    for key, (expected, _, why) in deepspeed._CHECKPOINTING_KEYS.items():
+        out.append(f"| `{key}` | {expected} | {why} |")
     out += ["", "### Keys DeepSpeed reads that kmp does not act on (one warning names them)", ""]
     for level, keys in deepspeed._IGNORED.items():
         where = f"`{level}` block" if level else "top level"

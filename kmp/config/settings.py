@@ -202,6 +202,8 @@ class Config:
     # DeepSpeed's timers (kmp.engine.wall_clock): on through kmp.prepare; the lines every steps_per_print steps.
     wall_clock_breakdown: bool = False
     steps_per_print: int | None = None
+    # DeepSpeed's activation_checkpointing block was given: on through kmp.prepare (kmp.engine.recompute).
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         out: list[Problem] = []
@@ -224,6 +226,7 @@ class Config:
         if self.gradient_clipping is not None:
             values.positive("gradient_clipping", self.gradient_clipping, out)
         values.boolean("wall_clock_breakdown", self.wall_clock_breakdown, out)
+        values.boolean("activation_checkpointing", self.activation_checkpointing, out)
         for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "steps_per_print"):
             value = getattr(self, name)
             if value is not None:
