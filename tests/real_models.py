@@ -19,6 +19,8 @@ import traceback
 import keras
 import numpy as np
 
+import parity
+
 VOCAB, SEQ, IMAGE = 128, 16, (32, 32, 3)
 STEPS, BATCH = 3, 8
 # The user property each trained case records its path under, printed at the end of the run (tests/conftest.py).
@@ -75,6 +77,10 @@ def _causal_lm_data(rows):
 def _images(rows, classes=10):
     rng = np.random.default_rng(1)
     return rng.random((rows,) + IMAGE).astype("float32"), rng.integers(0, classes, (rows,)).astype("int32")
+
+
+def _latent(rows):
+    return np.random.default_rng(5).normal(size=(rows, GAN.latent)).astype("float32")
 
 
 def _hub():
@@ -170,11 +176,12 @@ class OwnStep(keras.Model):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             logits = keras.ops.cast(self(x, training=True), "float32")
-            loss = keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+            # A Loss divides by the replicas under a strategy, whose gradients are summed, as in Keras's own step.
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)
             scaled = self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
-        self.tracker.update_state(loss)
+        self.tracker.update_state(loss * tf.distribute.get_strategy().num_replicas_in_sync)  # the loss itself
         return {"loss": self.tracker.result()}
 
     @property
@@ -184,7 +191,12 @@ class OwnStep(keras.Model):
 
 @keras.saving.register_keras_serializable("kmp_tests")
 class GAN(keras.Model):
-    """keras-io's DCGAN shape, tiny: a generator and a discriminator, each with its own optimizer."""
+    """keras-io's DCGAN shape, tiny: a generator and a discriminator, each with its own optimizer.
+
+    Its latent vectors come with the data, as `y` (keras-io's step draws them): stock Keras and kmp, on
+    one device or several, then train on the same ones. A draw in the step differs between XLA's kernels
+    and TensorFlow's, and each replica draws its own.
+    """
 
     latent = 8
 
@@ -200,9 +212,6 @@ class GAN(keras.Model):
         # Both parts are built from their Inputs. An unbuilt model is built by fit() under a strategy
         # by calling it on the data (stock Keras alike), which here is images, not latent vectors.
         self.built = True
-        # Here, not in the first train step: under a strategy, a variable created inside a step fails
-        # ("You must feed a value for placeholder tensor '.../cond/Placeholder'"), stock Keras alike.
-        self.seed = keras.random.SeedGenerator(7)
 
     def compile(self, d_optimizer, g_optimizer, **kwargs):
         super().compile(**kwargs)
@@ -217,10 +226,9 @@ class GAN(keras.Model):
     def train_step(self, data):
         import tensorflow as tf
 
-        real = data[0] if isinstance(data, tuple) else data
+        real, z, _ = keras.utils.unpack_x_y_sample_weight(data)
         rows = tf.shape(real)[0]
         bce = keras.losses.BinaryCrossentropy(from_logits=True)
-        z = keras.random.normal((rows, self.latent), seed=self.seed)
         with tf.GradientTape() as tape:
             fake = self.generator(z, training=True)
             scores = keras.ops.cast(self.discriminator(keras.ops.concatenate(
@@ -272,7 +280,7 @@ CASES = {c.name: c for c in [
     Case("efficientnetv2b0", _application("EfficientNetV2B0"), _images, batch_norm=True, overflows=True,
          reload=False, optimizer=sgd),
     Case("own_step", OwnStep, _images, None, own_step=True),
-    Case("gan", GAN, lambda rows: (_images(rows)[0], None), None, own_step=True, reload=False),
+    Case("gan", GAN, lambda rows: (_images(rows)[0], _latent(rows)), None, own_step=True, reload=False),
 ]}
 # A case whose reload proves nothing the matrix's others do not: MobileNetV3Small on two replicas
 # (a conv net with BatchNormalization reloads in its fp16 case, the flat engine on two replicas in
@@ -363,7 +371,8 @@ def reference_key(case, axis) -> tuple:
 
 
 def reference(case, axis, strategy):
-    """Stock Keras: each step's loss and the skipped steps (cached per model and settings).
+    """Stock Keras: each step's loss, the skipped steps, and the trainable weights before and after the steps
+    (cached per model and settings).
 
     On one device, but for a model with BatchNormalization on several replicas: each replica
     normalizes by its own rows' statistics, which one device cannot match (MobileNetV3Small's first
@@ -393,11 +402,15 @@ def reference(case, axis, strategy):
         with (strategy if replicated else tf.distribute.get_strategy()).scope():
             model = case.build()
             compile_case(case, model, make, jit_compile=not replicated)
-            if model.built and not model.optimizer.built:
+            if not model.built:  # a model with its own train_step, built by its first call: its initial weights
+                model(case.data(1)[0])
+            if not model.optimizer.built:
                 # Built inside the first step, Keras's LossScaleOptimizer makes TensorFlow trace
                 # the whole step twice (variables created on a first call): same values, one trace.
                 model.optimizer.build(model.trainable_variables)
-        _REFERENCES[key] = fit_steps(case, model, STEPS), skipped_steps(model)
+        initial = parity.trainable(model)
+        losses = fit_steps(case, model, STEPS)
+        _REFERENCES[key] = losses, skipped_steps(model), initial, parity.trainable(model)
     return _REFERENCES[key]
 
 
@@ -424,7 +437,8 @@ def kmp_optimizer(case, axis):
 
 
 def measure(name, axis_name, path, strategy, directory) -> dict:
-    """One case of the matrix: kmp's losses, path and skipped steps, stock Keras's, and the reload.
+    """One case of the matrix: kmp's losses, path and skipped steps, stock Keras's, the trained weights
+    against stock's (tests/parity.py: "moved", "apart"), and the reload.
 
     "reload" is None when a `.keras` file of the trained model loads and takes one more step
     equal to the live model's, else what differed.
@@ -438,10 +452,12 @@ def measure(name, axis_name, path, strategy, directory) -> dict:
         strategy = tf.distribute.get_strategy()
     model = kmp_model(case, axis, path, strategy)
     losses = fit_steps(case, model, STEPS)
+    trained = parity.trainable(model)
     result = {"losses": losses, "path": replica_step.describe_path(model),
               "flat": replica_step.path_of(model)["taken"].startswith("flat buffers"),
               "skipped": skipped_steps(model)}
-    result["reference"], result["reference_skipped"] = reference(case, axis, strategy)
+    result["reference"], result["reference_skipped"], initial, stock = reference(case, axis, strategy)
+    result["moved"], result["apart"] = parity.update_gap(initial, stock, trained)
     result["reload"] = None
     if case.reload and (name, axis_name) not in NO_RELOAD:
         try:
@@ -489,9 +505,23 @@ def _is_hub_task(model) -> bool:
     return isinstance(model, keras_hub.models.Task)
 
 
+def save_weights(file, **runs):
+    """Lists of arrays in one .npz file, as load_weights reads them back: {name: [arrays]}."""
+    np.savez(file, **{f"{name}/{k}": w for name, weights in runs.items() for k, w in enumerate(weights)})
+
+
+def load_weights(file) -> dict:
+    runs = {}
+    with np.load(file) as data:
+        for key in data.files:  # in the order saved
+            runs.setdefault(key.split("/")[0], []).append(data[key])
+    return runs
+
+
 def measure_all(specs, strategy, directory, out) -> dict:
-    """Each spec measured (or, with path None, only stock Keras's reference); a spec that raises
-    records its traceback. `out` is rewritten after each, so a crash keeps what was measured."""
+    """Each spec measured (or, with path None, only stock Keras's reference, its weights saved as "initial" and
+    "trained"); a spec that raises records its traceback. `out` is rewritten after each, so a crash keeps what
+    was measured."""
     import json
 
     results = {}
@@ -499,8 +529,10 @@ def measure_all(specs, strategy, directory, out) -> dict:
         key = "|".join((name, axis_name, path or "reference"))
         try:
             if path is None:
-                losses, skipped = reference(CASES[name], AXES[axis_name], strategy)
-                results[key] = {"reference": losses, "reference_skipped": skipped}
+                losses, skipped, initial, trained = reference(CASES[name], AXES[axis_name], strategy)
+                weights = os.path.join(directory, f"{name}-{axis_name}.npz".replace(" ", "_"))
+                save_weights(weights, initial=initial, trained=trained)
+                results[key] = {"reference": losses, "reference_skipped": skipped, "weights": weights}
             else:
                 results[key] = measure(name, axis_name, path, strategy, directory)
         except Exception:  # noqa: BLE001 - the test shows it
