@@ -12,7 +12,8 @@ the conv nets' executables.
 `workers`: one MultiWorkerMirroredStrategy worker; TF_CONFIG names the cluster
 (kmp.cli.launch.LocalJob sets it). Each case is built, wrapped, prepared and
 trained as the local matrix does, on each worker's share of the same global
-batches; OUT.json gets, per case, each step's loss and the path kmp took.
+batches; OUT.json gets, per case, each step's loss, the path kmp took, and
+the .npz file of its trained weights (real_models.save_weights).
 """
 
 import json
@@ -46,6 +47,7 @@ def workers(out: str, specs: list[str]) -> int:
     import tensorflow as tf
 
     import kmp
+    import parity
     import real_models
     from kmp.engine import replica_step
 
@@ -53,14 +55,16 @@ def workers(out: str, specs: list[str]) -> int:
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=300)  # as multiworker_worker.py
     strategy = kmp.distribute.resolve_strategy(communication_options=options)
     results = {}
-    for spec in specs:
+    for index, spec in enumerate(specs):
         name, policy, path = spec.split(":")
         case = real_models.CASES[name]
         model = real_models.kmp_model(case, real_models.Axis(policy), path, strategy)
         losses = real_models.fit_steps(case, model, real_models.STEPS, real_models.BATCH)
+        weights = f"{os.path.splitext(out)[0]}-{index}.npz"
+        real_models.save_weights(weights, trained=parity.trainable(model))
         results[spec] = {"losses": losses, "path": replica_step.describe_path(model),
                          "replicas": strategy.num_replicas_in_sync,
-                         "skipped": real_models.skipped_steps(model)}
+                         "skipped": real_models.skipped_steps(model), "weights": weights}
     with open(out, "w", encoding="utf-8") as f:
         json.dump(results, f)
     return 0

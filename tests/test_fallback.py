@@ -63,7 +63,9 @@ def _data():
     return t[:, :-1], t[:, 1:]
 
 
-def _train(policy, strategy=None, flat_buffers="auto", stock=False, no_xla=False, epochs=2, wrap=None):
+def _train(policy, strategy=None, flat_buffers="auto", stock=False, no_xla=False, epochs=2, wrap=None, skip=0):
+    """(model, each epoch's loss) after `epochs` epochs; with `skip`, the first epoch without its first `skip`
+    batches (its loss left out)."""
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
     with (strategy or tf.distribute.get_strategy()).scope():
@@ -77,6 +79,9 @@ def _train(policy, strategy=None, flat_buffers="auto", stock=False, no_xla=False
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             kmp.prepare(model, flat_buffers=flat_buffers)
     x, y = _data()
+    if skip:
+        model.fit(x[8 * skip:], y[8 * skip:], batch_size=8, epochs=1, shuffle=False, verbose=0)
+        epochs -= 1
     history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
     return model, history.history["loss"]
 
@@ -134,22 +139,26 @@ def test_the_buffers_take_a_gradient_of_no_static_shape(trained):
 def test_bfloat16_on_two_replicas_is_close_to_float32_stock(two_replicas, trained):
     _, losses = trained("mixed_bfloat16", two_replicas, flat_buffers=True)
     _, stock = _train("float32", stock=True)
-    np.testing.assert_allclose(losses, stock, rtol=2e-2)
+    # 9e-5 apart measured; the second epoch's loss is 2.4% below the first, where a run that does not train stays.
+    np.testing.assert_allclose(losses, stock, rtol=5e-3)
+    assert stock[0] / stock[-1] - 1 > 4 * 5e-3
 
 
 def test_a_layer_xla_cannot_compile_falls_back_without_xla(two_replicas, caplog):
     """Stock Keras turns XLA off under a strategy and trains it; kmp drops its XLA step, says so, trains."""
-    _, stock = _train("float32", two_replicas, stock=True, no_xla=True)
+    # The failed compile consumes its batch: stock Keras's first epoch without it, then the same training.
+    _, stock = _train("float32", two_replicas, stock=True, no_xla=True, epochs=8, skip=1)
     with caplog.at_level(logging.WARNING, logger="kmp"):
-        model, losses = _train("float32", two_replicas, no_xla=True, flat_buffers=False)
+        model, losses = _train("float32", two_replicas, no_xla=True, flat_buffers=False, epochs=8)
     dropped = replica_step.path_of(model)["dropped"]
     print("path:", replica_step.describe_path(model))
     assert replica_step.XLA in dropped
     lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(lines) == 1 and "XLA off" in lines[0], lines
-    # The failed compile consumed its batch: the first epoch saw one step fewer, then the same training.
-    assert np.all(np.isfinite(losses))
-    np.testing.assert_allclose(losses[-1], stock[-1], rtol=0.05)
+    # Epochs 2-8 within 1e-3 measured (Dropout's masks differ: the failed step drew its own), where stock's loss
+    # falls 5.6%, and a run that does not train stays.
+    np.testing.assert_allclose(losses[1:], stock, rtol=3e-3)
+    assert stock[0] / stock[-1] - 1 > 4 * 3e-3
 
 
 def test_the_flat_buffers_fall_back_to_the_per_variable_path_in_one_line(monkeypatch, caplog, trained):

@@ -38,14 +38,29 @@ def _destroyed_on(obj, where: list):
     weakref.finalize(obj, lambda: where.append(threading.current_thread().name))
 
 
-def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread(releaser):
+def _count_passes(releaser, monkeypatch) -> threading.Semaphore:
+    """A semaphore released after each of the release thread's passes over what it holds."""
+    passes, unused = threading.Semaphore(0), releaser._unused
+
+    def counted():
+        done = unused()
+        passes.release()
+        return done
+
+    monkeypatch.setattr(releaser, "_unused", counted)
+    return passes
+
+
+def test_an_iterator_nobody_else_holds_is_destroyed_on_the_release_thread(releaser, monkeypatch):
     where = []
+    passes = _count_passes(releaser, monkeypatch)
     seen = iterators.releasing(lambda it: next(it))
     iterator = iter(tf.data.Dataset.range(10).prefetch(tf.data.AUTOTUNE))
     _destroyed_on(iterator, where)
     assert int(seen(iterator)) == 0 and int(seen(iterator)) == 1
-    time.sleep(3 * iterators.POLL_SECONDS)
-    assert where == []  # still ours: nothing is dropped while the caller holds it
+    # Two passes of the thread, each after the iterator was held (the thread starts with the hold).
+    assert passes.acquire(timeout=30) and passes.acquire(timeout=30)
+    assert releaser.holding() == 1 and where == []  # still held: nothing is dropped while the caller holds it
     del iterator
     assert _wait_until_released(releaser) == 0
     assert where == ["kmp-iterator-release"]

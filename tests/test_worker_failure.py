@@ -228,7 +228,6 @@ def failure_run(tmp_path_factory):
             "killed_steps": cluster.steps("first1"),
             "survivor_steps": cluster.steps("first0"),
             "last_steps": [cluster.steps(n) for n in last],
-            "seconds": time.monotonic() - cluster.started,
             # Every job has ended: stop (and reap) every process group started, then look for survivors.
             "left_behind": cluster.left_behind(),
         }
@@ -322,8 +321,8 @@ def test_resumed_job_equals_the_uninterrupted_one_bit_for_bit(failure_run):
             )
 
 
-def test_the_job_is_bounded_in_time_and_leaves_no_process(failure_run):
-    assert failure_run["seconds"] < 180, failure_run["cluster"].report()
+def test_the_job_leaves_no_process(failure_run):
+    # Every wait of the job had its deadline (the fixture fails a job that passes it): a hang guard, not a timing.
     assert failure_run["left_behind"] == []
 
 
