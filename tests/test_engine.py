@@ -167,7 +167,8 @@ def test_overflows_are_skipped_and_the_scale_moves_as_without_buffers(two_replic
     x[9] = 1e5  # global batch 1 overflows float16 on replica 0 only
     runs = []
     for flat in (False, True):
-        model = kmp.prepare(_model(two_replicas, "adam"), flat_buffers=flat)
+        # The input overflows float16 in the forward pass: "backoff" halves the scale there (the default raises).
+        model = kmp.prepare(_model(two_replicas, "adam", forward_overflow="backoff"), flat_buffers=flat)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         runs.append(model)
     plain, flat = runs
@@ -179,7 +180,7 @@ def test_overflows_are_skipped_and_the_scale_moves_as_without_buffers(two_replic
 
 def test_the_overflow_names_the_layer_with_buffers(capfd):
     keras.config.set_dtype_policy("mixed_float16")
-    model = _model(optimizer="sgd")
+    model = _model(optimizer="sgd", forward_overflow="backoff")  # named, and the scale halved (not raised)
     model.get_layer("d1").kernel.assign(np.full((FEATURES, 16), 1e3, "float32"))  # float16 max is 65504
     kmp.prepare(model, flat_buffers=True)
     x, y = _data()
