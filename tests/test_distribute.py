@@ -268,7 +268,7 @@ def test_kmp_keeps_one_attribute_on_the_model_which_keras_neither_saves_nor_clon
     x, y = np.random.default_rng(0).normal(size=(8, 4)).astype("float32"), np.arange(8) % 3
     model.fit(x, y, batch_size=4, verbose=0)
     kept = state.of(model)
-    assert kept.prepared and kept.settings == (False, True, "auto", False)
+    assert kept.prepared and kept.settings == (False, True, "auto", False, "auto")
     assert kept.engine is not None and kept.overflow_layer is not None and kept.path["taken"]  # the caches are in it
     assert [name for name in vars(model) if name.startswith("_kmp")] == ["_kmp"]
     expected = model.predict(x, verbose=0)

@@ -433,9 +433,10 @@ def test_which_losses_are_weighted_by_rows(caplog):
 
 
 def _under_kmps_wrappers(function):
-    """The train function under kmp's floor-error translation, first-step fallback, iterator release and check of
-    the strategy."""
+    """The train function under kmp's floor-error translation, first-step fallback, iterator release, check of
+    the strategy and forward-overflow watch."""
     while function.__qualname__ in ("raising_loss_scale_errors.<locals>.call", "_falling_back.<locals>.call",
-                                    "releasing.<locals>.call", "_in_its_own_strategy.<locals>.call"):
+                                    "releasing.<locals>.call", "_in_its_own_strategy.<locals>.call",
+                                    "watching.<locals>.call"):
         function = function.__wrapped__
     return function
