@@ -189,7 +189,9 @@ class Engine:
             weights = buffers.split(weights)
         weight = replica_step.row_weight(model, x)
         weighted = scale if weight is None else scale * weight  # the loss's factor; the gradient is unscaled by scale
-        grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale, weighted, x, y, sample_weight)
+        grad, y_pred, loss, writes = self._compiled()(weights, other_values, scale,
+                                                      replica_step.in_turn(model, weighted), x, y, sample_weight)
+        replica_step.passed(model, loss)
         replica_step.apply_writes_and_track_loss(model, writes, loss, x)
         # The layer diagnosis traced after an overflowing step (the whole step
         # in XLA) runs the model on its Keras variables; outside XLA it runs

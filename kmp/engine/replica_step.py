@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from kmp import seams
-from kmp.distribute.communication import all_reduce_sum
+from kmp.distribute.communication import all_reduce_sum, cpus_of_one_process
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import state, wall_clock, xla_choice
 
@@ -98,12 +98,38 @@ def train_step(model: keras.Model, data):
     weight = row_weight(model, x)
     if weight is not None:
         scale = scale * weight  # the optimizer unscales by the loss scale alone: the weight stays
-    grads, y_pred, loss, writes = _compiled(model)(values, other_values, scale, x, y, sample_weight)
+    grads, y_pred, loss, writes = _compiled(model)(values, other_values, in_turn(model, scale), x, y, sample_weight)
+    passed(model, loss)
     wall_clock.stamp("gradients", grads)
     apply_writes_and_track_loss(model, writes, loss, x)
     model.optimizer.apply(grads, trainable)
     wall_clock.stamp("updated", trainable[:1])  # kmp's optimizer stamped its own parts already
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def in_turn(model: keras.Model, scale):
+    """`scale`, once the previous replica's forward/backward is done, where the replicas are CPUs of one process
+    (else itself): their passes then compile, and hold their activations, one at a time.
+
+    They share the cores, and each pass's XLA computation already takes both: run together, they took the
+    cores in turn anyway (benchmarks/RESULTS.md, P1's flat-buffer step), while their two compiles and
+    two sets of activations were held at once (benchmarks/memory.py). MirroredStrategy traces its replicas
+    one after another, in order, so the previous replica's pass is in the graph when this one is traced.
+    """
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync < 2 or not cpus_of_one_process(strategy):
+        return scale
+    previous = state.ensure(model).last_pass
+    if previous is not None and previous.graph is tf.compat.v1.get_default_graph():
+        with tf.control_dependencies([previous]):
+            scale = tf.identity(scale)
+    return scale
+
+
+def passed(model: keras.Model, output) -> None:
+    """Marks this replica's forward/backward `output` as the one the next replica waits for (in_turn)."""
+    if model.distribute_strategy.num_replicas_in_sync > 1:
+        state.ensure(model).last_pass = output  # one graph's tensor at a time: no old graph is kept alive
 
 
 def row_weight(model: keras.Model, x):

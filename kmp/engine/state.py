@@ -39,6 +39,7 @@ class Prepared:
     overflow_layer: Any = None  # kmp.engine.overflow_layer.State: the layer found after an overflow
     path: dict = dataclasses.field(default_factory=lambda: {"taken": None, "dropped": {}, "off": {}})  # path_of
     replica_steps: dict = dataclasses.field(default_factory=dict)  # replica_step's XLA functions, by replica_key()
+    last_pass: Any = None  # replica_step.in_turn: the last traced replica's forward/backward output
     rows_noted: bool = False  # replica_step said once that uneven shares are weighted per replica
     xla_noted: bool = False  # replica_step said once that the forward/backward runs without XLA (xla_choice)
     flat_noted: set = dataclasses.field(default_factory=set)  # why the flat buffers are off, each said once
