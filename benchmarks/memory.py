@@ -13,14 +13,16 @@ otherwise. Each row is one process (its own TensorFlow runtime):
 
     peak        resource.getrusage(RUSAGE_SELF).ru_maxrss after training: what the process held at most
     rest        resident memory with the model built and compiled, before the first step
+    held        resident memory after training (what the step freed returned to the system), less `rest`
     variables   the bytes each device's variables hold (kmp.measured_bytes's categories, summed)
-    estimate    kmp.memory_estimate(model)'s total per replica (what it covers: variables, one gradient)
+    estimated held  kmp.memory_estimate(model) of what the variables hold (its transient gradient left out),
+                per process: each replica's, and the host's copy once
     device peak tf.config.experimental.get_memory_info(device)["peak"], on devices that report it (GPUs)
 
 Bytes per parameter are the slope between the two sizes: (peak_large -
 peak_small) / (parameters_large - parameters_small), so what does not grow
 with the model (the TensorFlow runtime, the input pipeline, most of XLA's
-compile) drops out.
+compile) drops out; the held slope is the one the estimate predicts.
 
 --checkpointing: a GPT-2 of 8 x 256, vocabulary 1024, sequence 512, batch 8,
 mixed_bfloat16, one device, with and without
@@ -37,6 +39,7 @@ process that trains one step of batch 1, sequence 256, vocabulary 50257
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -110,6 +113,8 @@ def worker(spec: dict) -> dict:
     """Build, compile and train one configuration in this process; its memory, as a dict."""
     import resource
 
+    import numpy as np
+
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     spec = {"precision": "mixed_float16", "stock": False, "train": True, "replicas": 1, **spec}
     import tensorflow as tf
@@ -119,7 +124,6 @@ def worker(spec: dict) -> dict:
         tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
     import keras_hub
-    import numpy as np
 
     import kmp
     from kmp.engine.engine import engine_of
@@ -163,10 +167,16 @@ def worker(spec: dict) -> dict:
         losses = [float(v) for v in history.history["loss"]]
     steady = [b - a for a, b in zip(marks[spec["steps"]:], marks[spec["steps"] + 1:])]  # after the first epoch
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    variables, estimate = {}, None
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the step freed goes back: `held` is what stays
+    held = _rss() - rest
+    variables, slots, estimate, estimate_held = {}, {}, None, None
     if model.optimizer.built:
         variables = {device: sum(vars(b).values()) for device, b in kmp.measured_bytes(model).items()}
-        estimate = kmp.memory_estimate(model).total
+        slots = _slots_per_device(model, engine_of(model))
+        found = kmp.memory_estimate(model)
+        # Per process: each replica's share (its devices are this process's) and the host's copy once.
+        estimate = found.total * spec["replicas"] + found.host
+        estimate_held = sum(vars(found.in_variables()).values()) * spec["replicas"] + found.host
     device_peaks = {d.name: tf.config.experimental.get_memory_info(d.name)["peak"]
                     for d in tf.config.list_logical_devices("GPU")}
     path = ""
@@ -174,8 +184,30 @@ def worker(spec: dict) -> dict:
         path = "flat" if engine_of(model) is not None else "per variable"
         path += f", {len(checkpointed(model))} blocks checkpointed" if spec.get("checkpointing") else ""
     return dict(parameters=parameters, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rest=rest,
-                end=_rss(), variables=variables, estimate=estimate, device_peaks=device_peaks, losses=losses,
-                ms=sorted(steady)[len(steady) // 2] * 1000 if steady else None, path=path)
+                held=held, variables=variables, slots=slots, estimate=estimate, estimate_held=estimate_held,
+                device_peaks=device_peaks, losses=losses, ms=sorted(steady)[len(steady) // 2] * 1000 if steady else None,
+                path=path)
+
+
+def _slots_per_device(model, engine) -> dict:
+    """{device: bytes} of the optimizer state the step updates there: the flat buffers' slots, or the slot
+    variables (Keras's copy, held on the host with the buffers, is in `variables`)."""
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = model.distribute_strategy
+    if engine is not None:
+        states = [engine.buffers.buffers[name] for name in engine.buffers.slot_names]
+    else:
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        skip = {id(inner._iterations), id(inner._learning_rate)}
+        states = [v.value for v in inner.variables if id(v) not in skip]
+    out = {}
+    for state in states:
+        for component in strategy.experimental_local_results(state):
+            device = tf.DeviceSpec.from_string(component.device).to_string()
+            out[device] = out.get(device, 0) + int(np.prod(component.shape)) * component.dtype.size
+    return out
 
 
 def run(spec: dict, limit: float | None = None) -> dict:
@@ -202,7 +234,7 @@ def run(spec: dict, limit: float | None = None) -> dict:
     return dict(failure=(err.strip().splitlines() or [f"exit status {child.returncode}"])[-1][:200])
 
 
-def table(sizes: list[str], names: list[str]) -> None:
+def table(sizes: list[str], names: list[str], save: str = "") -> None:
     rows = {}
     for size in sizes:
         layers, hidden, heads, vocabulary = SIZES[size]
@@ -214,22 +246,28 @@ def table(sizes: list[str], names: list[str]) -> None:
                   f"peak {r['peak'] / MB:,.0f} MB, rest {r['rest'] / MB:,.0f} MB, {r['parameters']:,} parameters"),
                   file=sys.stderr, flush=True)
     head = " | ".join(f"{s}: peak / above rest (MB)" for s in sizes)
-    print(f"\n| configuration | {head} | bytes/parameter (slope) | variables per device, {sizes[-1]} (MB) | "
-          f"estimate (MB) | path |")
-    print("| --- |" + " --- |" * (len(sizes) + 4))
+    print(f"\n| configuration | {head} | bytes/parameter: peak / held / estimated held | "
+          f"{sizes[-1]}: variables per device / optimizer state stepped per device (MB) | path |")
+    print("| --- |" + " --- |" * (len(sizes) + 3))
     for name in names:
-        cells, slope, path = [], "", ""
+        cells, slopes, path = [], "", ""
         for size in sizes:
             r = rows[size, name]
             cells.append(r["failure"] if "failure" in r else f"{r['peak'] / MB:,.0f} / {(r['peak'] - r['rest']) / MB:,.0f}")
             path = r.get("path") or path
         first, last = rows[sizes[0], name], rows[sizes[-1], name]
         if len(sizes) > 1 and "peak" in first and "peak" in last:
-            slope = f"{(last['peak'] - first['peak']) / (last['parameters'] - first['parameters']):.1f}"
+            per = last["parameters"] - first["parameters"]
+            slope = [(last[k] - first[k]) / per if last.get(k) is not None else None
+                     for k in ("peak", "held", "estimate_held")]
+            slopes = " / ".join("" if v is None else f"{v:.1f}" for v in slope)
         devices = ", ".join(f"{v / MB:,.0f}" for v in last.get("variables", {}).values())
-        estimate = f"{last['estimate'] / MB:,.0f}" if last.get("estimate") else ""
+        stepped = ", ".join(f"{v / MB:,.0f}" for v in last.get("slots", {}).values())
         print(f"| {name}: {CONFIGURATIONS[name][0]} | " + " | ".join(cells) +
-              f" | {slope} | {devices} | {estimate} | {path} |")
+              f" | {slopes} | {devices} / {stepped} | {path} |")
+    if save:
+        with open(save, "w") as out:
+            json.dump([{"size": size, "name": name, **r} for (size, name), r in rows.items()], out, indent=1)
     for (size, name), r in rows.items():
         if r.get("device_peaks"):
             print(f"{size} {name}: device peaks (MB)", {d: round(v / MB) for d, v in r["device_peaks"].items()})
@@ -274,6 +312,7 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing instead")
     parser.add_argument("--largest", action="store_true", help="the largest model that fits instead")
     parser.add_argument("--limit", type=float, default=22.0, help="--largest: GiB of resident memory per trial")
+    parser.add_argument("--json", default="", help="the table's rows, also written to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -283,7 +322,7 @@ def main(argv=None) -> None:
     elif args.largest:
         largest(args.limit * 2**30)
     else:
-        table(args.sizes.split(","), args.only.split(",") if args.only else list(CONFIGURATIONS))
+        table(args.sizes.split(","), args.only.split(",") if args.only else list(CONFIGURATIONS), args.json)
 
 
 if __name__ == "__main__":
