@@ -44,7 +44,7 @@ def test_each_script_takes_its_arguments(comparison, quick, monkeypatch):
 
 
 def test_only_must_name_a_comparison():
-    with pytest.raises(KmpError, match=r"--only to name one of P1, P2, P3, P4, P6. Received: 'P9'"):
+    with pytest.raises(KmpError, match=r"--only to name one of P1, P2, P3, P4, P6, MEM. Received: 'P9'"):
         bench.run(only="P9")
     assert cli.build_parser().parse_args(["bench", "--quick", "--only", "P4"]).only == "P4"
     assert [c[1] for c in bench.COMPARISONS if "P6" in c[0]] == ["p6_transformer.py"]  # what --only P6 runs

@@ -1,4 +1,4 @@
-"""`kmp bench [--quick]`: the P1-P4 and P6 comparisons of benchmarks/ on this machine, kmp vs stock Keras.
+"""`kmp bench [--quick]`: the P1-P4, P6 and memory comparisons of benchmarks/ on this machine, kmp vs stock Keras.
 
 Each comparison is one of the project's benchmark scripts, run as it is in
 its own process (a fresh TensorFlow runtime each: P1 and P6 split the CPU into
@@ -16,10 +16,15 @@ benchmarks/, streamed as it comes:
     P6      p6_transformer.py        a keras-hub GPT-2 (4 layers, 256 wide, sequence
                                      128), float32 and mixed_float16: kmp vs Keras
                                      under MirroredStrategy and on one device with XLA
+    MEM     memory.py                peak resident memory of a keras-hub GPT-2 at two sizes,
+                                     each configuration in its own process: stock Keras
+                                     and kmp on every path (per variable, flat buffers,
+                                     ZeRO-1, 8-bit states), one device and MirroredStrategy
 
-`--quick` runs fewer rounds and steps, P3 on its bandwidth-bound layout only
-and P6 at mixed_float16 only (about 5 minutes for P1-P4 on 2 cores, and 3
-for P6, most of it building and compiling its models; the medians are
+`--quick` runs fewer rounds and steps, P3 on its bandwidth-bound layout only,
+P6 at mixed_float16 only, and MEM at the small size on six configurations
+(about 5 minutes for P1-P4 on 2 cores, 3 for P6, most of it building and
+compiling its models, and 6 for MEM; the medians are
 noisier). The scripts live in benchmarks/ of a checkout; an
 installed kmp carries them in `<prefix>/share/kmp/benchmarks` (setup.cfg's
 data_files). They measure the kmp they import: the checkout's, else the
@@ -44,6 +49,8 @@ COMPARISONS = (
     ("P4: accumulation under MultiWorkerMirroredStrategy", "p4_accumulation_allreduce.py", [],
      ["--rounds", "1", "--windows", "2"]),
     ("P6: a keras-hub GPT-2, kmp vs Keras", "p6_transformer.py", [], ["--quick", "--precisions", "mixed_float16"]),
+    ("MEM: memory as the process holds it, kmp vs Keras", "memory.py", [],
+     ["--sizes", "small", "--only", "stock,kmp,stock-mirrored,kmp-mirrored,zero1-mirrored,8bit-mirrored"]),
 )
 
 
@@ -63,7 +70,7 @@ def run(quick: bool = False, only: str | None = None) -> int:
     directory = scripts_directory()
     chosen = [c for c in COMPARISONS if only is None or only.upper() in c[0]]
     if not chosen:
-        raise KmpError(f"kmp bench: expected --only to name one of P1, P2, P3, P4, P6. Received: {only!r}.")
+        raise KmpError(f"kmp bench: expected --only to name one of P1, P2, P3, P4, P6, MEM. Received: {only!r}.")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     for title, script, arguments, quick_arguments in chosen:
         command = [sys.executable, str(directory / script), *(quick_arguments if quick else arguments)]

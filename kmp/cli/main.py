@@ -292,7 +292,7 @@ def _add_bench(commands) -> None:
                     "under MultiWorkerMirroredStrategy, P6 a keras-hub GPT-2), each in its own process, and print "
                     "their tables.")
     bench.add_argument("--quick", action="store_true", help="fewer rounds and steps: a few minutes in all")
-    bench.add_argument("--only", metavar="P", help="one comparison: P1 (with P2), P3, P4 or P6")
+    bench.add_argument("--only", metavar="P", help="one comparison: P1 (with P2), P3, P4, P6 or MEM")
     bench.set_defaults(run=_bench)
 
 
