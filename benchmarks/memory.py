@@ -132,6 +132,8 @@ def worker(spec: dict) -> dict:
     keras.config.set_dtype_policy(spec["precision"])
     keras.utils.set_random_seed(0)
     strategy = tf.distribute.MirroredStrategy() if spec["replicas"] > 1 else tf.distribute.get_strategy()
+    devices = [d.name for d in tf.config.list_logical_devices() if d.device_type in ("GPU", "CPU")]
+    before = {d: tf.config.experimental.get_memory_info(d)["current"] for d in devices}
     vocabulary, sequence = spec["vocabulary"], spec["sequence"]
     with strategy.scope():
         backbone = keras_hub.models.GPT2Backbone(
@@ -158,6 +160,8 @@ def worker(spec: dict) -> dict:
     y = tokens[:, 1:]
     model({k: v[:1] for k, v in x.items()})  # the weights built; the optimizer builds at the first step
     rest = _rss()
+    for device in devices:
+        tf.config.experimental.reset_memory_stats(device)
     losses, marks = [], []
     if spec["train"]:
         clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
@@ -177,15 +181,19 @@ def worker(spec: dict) -> dict:
         # Per process: each replica's share (its devices are this process's) and the host's copy once.
         estimate = found.total * spec["replicas"] + found.host
         estimate_held = sum(vars(found.in_variables()).values()) * spec["replicas"] + found.host
-    device_peaks = {d.name: tf.config.experimental.get_memory_info(d.name)["peak"]
-                    for d in tf.config.list_logical_devices("GPU")}
+    # TensorFlow's allocator, per device (a GPU's own memory; the CPUs of one process share one allocator):
+    # the tensors held at the end (variables and buffers) and the most in use during training.
+    allocator = {}
+    for device in devices:
+        info = tf.config.experimental.get_memory_info(device)
+        allocator[device] = dict(held=info["current"] - before[device], peak=info["peak"] - before[device])
     path = ""
     if "flat" in spec:
         path = "flat" if engine_of(model) is not None else "per variable"
         path += f", {len(checkpointed(model))} blocks checkpointed" if spec.get("checkpointing") else ""
     return dict(parameters=parameters, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rest=rest,
                 held=held, variables=variables, slots=slots, estimate=estimate, estimate_held=estimate_held,
-                device_peaks=device_peaks, losses=losses, ms=sorted(steady)[len(steady) // 2] * 1000 if steady else None,
+                allocator=allocator, losses=losses, ms=sorted(steady)[len(steady) // 2] * 1000 if steady else None,
                 path=path)
 
 
@@ -268,9 +276,34 @@ def table(sizes: list[str], names: list[str], save: str = "") -> None:
     if save:
         with open(save, "w") as out:
             json.dump([{"size": size, "name": name, **r} for (size, name), r in rows.items()], out, indent=1)
-    for (size, name), r in rows.items():
-        if r.get("device_peaks"):
-            print(f"{size} {name}: device peaks (MB)", {d: round(v / MB) for d, v in r["device_peaks"].items()})
+    print(f"\n| configuration | {sizes[-1]}: TensorFlow's allocator, held / peak in training (MB) | held / "
+          "estimated held | bytes/parameter: held / estimated held |")
+    print("| --- | --- | --- | --- |")
+    for name in names:
+        first, last = rows[sizes[0], name], rows[sizes[-1], name]
+        if not last.get("estimate_held"):
+            continue
+        cells = [f"{device.rpartition('device:')[2]}: {info['held'] / MB:,.0f} / {info['peak'] / MB:,.0f}"
+                 for device, info in _allocators(last).items()]
+        slope, per = "", last["parameters"] - first["parameters"]
+        if first.get("estimate_held") and per:
+            slope = (f"{(_held(last) - _held(first)) / per:.1f} / "
+                     f"{(last['estimate_held'] - first['estimate_held']) / per:.1f}")
+        print(f"| {name} | {', '.join(cells)} | {_held(last) / last['estimate_held']:.2f} | {slope} |")
+
+
+def _allocators(row: dict) -> dict:
+    """The row's allocators, each once (the CPUs of one process share one: the same figures)."""
+    out, seen = {}, set()
+    for device, info in row.get("allocator", {}).items():
+        if (info["held"], info["peak"]) not in seen:
+            seen.add((info["held"], info["peak"]))
+            out[device] = info
+    return out
+
+
+def _held(row: dict) -> int:
+    return sum(info["held"] for info in _allocators(row).values())
 
 
 def checkpointing() -> None:
