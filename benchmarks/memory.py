@@ -162,9 +162,15 @@ def worker(spec: dict) -> dict:
     rest = _rss()
     for device in devices:
         tf.config.experimental.reset_memory_stats(device)
-    losses, marks = [], []
+    losses, marks, between = [], [], {}
     if spec["train"]:
-        clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: marks.append(time.perf_counter()))
+        def batch_end(batch, logs):
+            marks.append(time.perf_counter())
+            for device in devices:  # between steps: what the variables and buffers hold in training
+                current = tf.config.experimental.get_memory_info(device)["current"] - before[device]
+                between[device] = max(between.get(device, 0), current)
+
+        clock = keras.callbacks.LambdaCallback(on_train_batch_end=batch_end)
         clock.kmp_reads_weights = False
         history = model.fit(x, y, batch_size=spec["batch"], epochs=spec["epochs"], verbose=0, shuffle=False,
                             callbacks=[clock])
@@ -182,11 +188,13 @@ def worker(spec: dict) -> dict:
         estimate = found.total * spec["replicas"] + found.host
         estimate_held = sum(vars(found.in_variables()).values()) * spec["replicas"] + found.host
     # TensorFlow's allocator, per device (a GPU's own memory; the CPUs of one process share one allocator):
-    # the tensors held at the end (variables and buffers) and the most in use during training.
+    # the tensors held between steps (variables and buffers: after fit() the flat buffers and the Keras
+    # variables stored from them share memory until the next step writes) and the most in use in training.
     allocator = {}
     for device in devices:
         info = tf.config.experimental.get_memory_info(device)
-        allocator[device] = dict(held=info["current"] - before[device], peak=info["peak"] - before[device])
+        allocator[device] = dict(held=between.get(device, info["current"] - before[device]),
+                                 peak=info["peak"] - before[device])
     path = ""
     if "flat" in spec:
         path = "flat" if engine_of(model) is not None else "per variable"
@@ -276,7 +284,7 @@ def table(sizes: list[str], names: list[str], save: str = "") -> None:
     if save:
         with open(save, "w") as out:
             json.dump([{"size": size, "name": name, **r} for (size, name), r in rows.items()], out, indent=1)
-    print(f"\n| configuration | {sizes[-1]}: TensorFlow's allocator, held / peak in training (MB) | held / "
+    print(f"\n| configuration | {sizes[-1]}: TensorFlow's allocator, held between steps / peak (MB) | held / "
           "estimated held | bytes/parameter: held / estimated held |")
     print("| --- | --- | --- | --- |")
     for name in names:
