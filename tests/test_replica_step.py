@@ -440,3 +440,27 @@ def _under_kmps_wrappers(function):
                                     "watching.<locals>.call"):
         function = function.__wrapped__
     return function
+
+
+@pytest.mark.parametrize("flat_buffers", [False, True])
+def test_replicas_on_cpus_run_their_passes_in_turn_only_for_a_large_model(two_replicas, monkeypatch, flat_buffers):
+    real, seen = replica_step.in_turn, []
+
+    def spy(model, scale):
+        out = real(model, scale)
+        seen.append((scale, out, state.ensure(model).last_pass))
+        return out
+
+    monkeypatch.setattr(replica_step, "in_turn", spy)
+    for threshold, waits in ((replica_step.IN_TURN_PARAMETERS, False), (0, True)):
+        monkeypatch.setattr(replica_step, "IN_TURN_PARAMETERS", threshold)
+        seen.clear()
+        with two_replicas.scope():
+            model = _model()
+        kmp.prepare(model, flat_buffers=flat_buffers)
+        model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        second = [(scale, out, previous) for scale, out, previous in seen
+                  if previous is not None and previous.graph is out.graph]
+        assert len(seen) >= 2 and second, seen  # the second replica is traced after the first's pass
+        for scale, out, previous in second:  # tiny model (97 parameters): together; threshold 0: in turn
+            assert (out is not scale and previous.op in out.op.control_inputs) == waits

@@ -28,6 +28,7 @@ and p1_parts.py measure the step.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import keras
@@ -107,17 +108,26 @@ def train_step(model: keras.Model, data):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
+# Below this many trainable parameters replicas on CPUs run their passes together (in_turn).
+IN_TURN_PARAMETERS = 10_000_000
+
+
 def in_turn(model: keras.Model, scale):
     """`scale`, once the previous replica's forward/backward is done, where the replicas are CPUs of one process
-    (else itself): their passes then compile, and hold their activations, one at a time.
+    and the model has at least IN_TURN_PARAMETERS (else itself): their passes then compile, and hold their
+    activations, one at a time.
 
-    They share the cores, and each pass's XLA computation already takes both: run together, they took the
-    cores in turn anyway (benchmarks/RESULTS.md, P1's flat-buffer step), while their two compiles and
-    two sets of activations were held at once (benchmarks/memory.py). MirroredStrategy traces its replicas
-    one after another, in order, so the previous replica's pass is in the graph when this one is traced.
+    They share the cores. A large model's pass already takes both, so in turn costs no time
+    (a GPT-2 of 33.6M parameters, flat buffers: 1.00x) and its two XLA compiles and two sets of
+    activations are not held at once (benchmarks/memory.py). A small model's passes cannot fill
+    the cores alone: run together they were 1.1-1.3x faster (P1's MLP, 2.6M parameters).
+    MirroredStrategy traces its replicas one after another, in order, so the previous replica's
+    pass is in the graph when this one is traced.
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync < 2 or not cpus_of_one_process(strategy):
+        return scale
+    if sum(math.prod(v.shape) for v in model.trainable_variables) < IN_TURN_PARAMETERS:
         return scale
     previous = state.ensure(model).last_pass
     if previous is not None and previous.graph is tf.compat.v1.get_default_graph():
