@@ -5,6 +5,7 @@ Each test trains the same model twice from the same seed, with
 `flat_buffers=False` (kmp's per-variable path) and True, and compares.
 """
 
+import gc
 import glob
 import logging
 import os
@@ -934,3 +935,24 @@ def test_bfloat16_weights_train_from_float32_masters_as_mixed_bfloat16_weights_t
     after = [np.array(v.numpy(), "float32") for v in stock.trainable_variables]
     _assert_close([before[k] for k in sixteen], [after[k] for k in sixteen], rtol=0, atol=0)
     assert len(said) == 1 and "kmp.prepare(model)'s flat buffers train them from float32 master weights" in said[0]
+
+
+def test_a_load_into_sharded_buffers_keeps_no_whole_copy_alive(two_replicas):
+    """On CPUs of one process each replica's buffers hold a shard. A shard cut from the whole joined
+    tensor shares its memory: a buffer holding it kept the whole alive, N times its size."""
+    current = lambda: tf.config.experimental.get_memory_info("CPU:0")["current"]
+    keras.utils.set_random_seed(0)
+    gc.collect()
+    before = current()
+    with two_replicas.scope():
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024), keras.layers.Dense(1)])
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+    kmp.prepare(model, flat_buffers=True)
+    x = np.ones((8, 512), "float32")
+    model.fit(x, x[:, :1], batch_size=8, verbose=0)
+    assert all(map(engine.engine_of(model).buffers.is_shard, engine.engine_of(model).buffers.buffers))
+    gc.collect()
+    estimate = kmp.memory_estimate(model)
+    variables = sum(vars(estimate.in_variables()).values()) * 2 + estimate.host
+    # The shards of the weights and two slots held whole on both replicas: 6 half copies more.
+    assert current() - before < variables + 2 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)

@@ -707,7 +707,12 @@ class FlatBuffers:
         for name, buffer in buffers.items():
             # Read and assign as bare ops: no Identity, no read back (eagerly, each op's Python counts).
             flat = self._copy_plan(name).joined([_as_dtype(v, buffer.dtype) for v in _read_all(mirrors[name])])
-            _assign(buffer, self.shard_of(flat, offset, name) if self.is_shard(name) else _pad_to(flat, buffer.shape[0]))
+            if self.is_shard(name):
+                # A shard is a slice sharing the whole joined tensor's memory; the buffer would adopt it and
+                # keep the whole alive (N times its size, from one load to the next): a copy of its own.
+                _assign(buffer, tf.raw_ops.DeepCopy(x=self.shard_of(flat, offset, name)))
+            else:
+                _assign(buffer, _pad_to(flat, buffer.shape[0]))
 
     def _store_component(self, buffers, mirrors, offset):
         """Eagerly (never traced: see _copy); returns (name, variable, the tensor it now holds) for each variable."""

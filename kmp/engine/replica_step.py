@@ -109,7 +109,7 @@ def train_step(model: keras.Model, data):
 
 
 # Below this many trainable parameters replicas on CPUs run their passes together (in_turn).
-IN_TURN_PARAMETERS = 10_000_000
+IN_TURN_PARAMETERS = 4_000_000
 
 
 def in_turn(model: keras.Model, scale):
@@ -117,12 +117,12 @@ def in_turn(model: keras.Model, scale):
     and the model has at least IN_TURN_PARAMETERS (else itself): their passes then compile, and hold their
     activations, one at a time.
 
-    They share the cores. A large model's pass already takes both, so in turn costs no time
-    (a GPT-2 of 33.6M parameters, flat buffers: 1.00x) and its two XLA compiles and two sets of
-    activations are not held at once (benchmarks/memory.py). A small model's passes cannot fill
-    the cores alone: run together they were 1.1-1.3x faster (P1's MLP, 2.6M parameters).
-    MirroredStrategy traces its replicas one after another, in order, so the previous replica's
-    pass is in the graph when this one is traced.
+    They share the cores. A transformer's pass already takes both, so in turn costs little time (keras-hub
+    GPT-2s, flat buffers: 1.00x at 33.6M parameters, 1.04x at 5.3M) and its two XLA compiles and two sets
+    of activations are not held at once (benchmarks/memory.py: 350 MB less at 5.3M). A small MLP's passes
+    cannot fill the cores alone: run together they were 1.1-1.3x faster (P1, 2.6M parameters). Between
+    2.6M and 5.3M the threshold is a guess. MirroredStrategy traces its replicas one after another, in
+    order, so the previous replica's pass is in the graph when this one is traced.
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync < 2 or not cpus_of_one_process(strategy):
