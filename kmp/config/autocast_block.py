@@ -129,8 +129,31 @@ def unmapped_note(names: tuple[str, ...]) -> str | None:
             "; ".join(f"{name} ({why})" for name, why in why_not.items()) + ".")
 
 
-_AUTOCAST_KEYS = ("enabled", "dtype", "lower_precision_safe_modules")
 _LOW = DTYPE_SPELLINGS["fp16"] + DTYPE_SPELLINGS["bf16"]
+_DATA_DTYPES = DTYPE_SPELLINGS["fp32"] + _LOW
+
+# key -> (expected, default when left out, what kmp does): the readers' keys and docs/config.md's reference.
+AUTOCAST_KEYS: dict[str, tuple[str, str, str]] = {
+    "enabled": ("true or false", "false", "true: the model computes in `dtype` (an fp16 or bf16 block beside it "
+                "must ask for the same); float16 without an enabled fp16 block scales the loss as "
+                "torch.amp.GradScaler() does (initial 2^16, growth after 2000 steps without an overflow, no "
+                "hysteresis)"),
+    "dtype": ("one of " + ", ".join(f"`{s}`" for s in _LOW), '"bfloat16" (DeepSpeed\'s documentation)',
+              "the precision; a float32 or int8 spelling is refused (torch.autocast computes in float16 or "
+              "bfloat16 only)"),
+    "lower_precision_safe_modules": ("a list of torch module names", "`" + ", ".join(DEFAULT_SAFE_MODULES) + "`",
+                                     "the Keras layers of these classes (table below) compute in `dtype`; every "
+                                     "other layer with no layers inside computes in float32 (`kmp.prepare`)"),
+}
+DATA_TYPES_KEYS: dict[str, tuple[str, str, str]] = {
+    "grad_accum_dtype": ("one of " + ", ".join(f"`{s}`" for s in _DATA_DTYPES) + " or null", "null",
+                         "kmp accumulates in float32 whatever it says; a bf16 or fp16 value is answered by a "
+                         "warning"),
+    "param_dtype": ("the same, matching the fp16/bf16 blocks (null, fp32 for neither)", "null",
+                    "checked as DeepSpeed asserts it; kmp's weights are float32 masters cast per layer"),
+    "buffer_dtype": ("the same", "null",
+                     "kmp keeps non-trainable variables in float32; a bf16 or fp16 value is answered by a warning"),
+}
 
 
 def read_autocast(block: Any, problems: list[Problem]) -> tuple[str | None, tuple[str, ...] | None, list[str]]:
@@ -140,11 +163,12 @@ def read_autocast(block: Any, problems: list[Problem]) -> tuple[str | None, tupl
         problems.append(Problem("torch_autocast", "a JSON object {...}", block))
         return None, None, []
     found = len(problems)
+    known = tuple(AUTOCAST_KEYS)
     for key, value in block.items():
-        if key not in _AUTOCAST_KEYS:
+        if key not in known:
             problems.append(Problem(f"torch_autocast.{key_name(key)}", "a key of torch_autocast that kmp or "
-                                    "DeepSpeed knows", value, did_you_mean(str(key), _AUTOCAST_KEYS) or
-                                    f"torch_autocast accepts: {', '.join(_AUTOCAST_KEYS)}."))
+                                    "DeepSpeed knows", value, did_you_mean(str(key), known) or
+                                    f"torch_autocast accepts: {', '.join(known)}."))
     enabled = block.get("enabled", False)
     if not isinstance(enabled, bool):
         problems.append(Problem("torch_autocast.enabled", "true or false", enabled))
@@ -174,8 +198,7 @@ def read_autocast(block: Any, problems: list[Problem]) -> tuple[str | None, tupl
     return ("bf16" if dtype is None else _DTYPE_OF[dtype]), safe, notes
 
 
-_DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype")
-_DATA_DTYPES = DTYPE_SPELLINGS["fp32"] + _LOW
+_DATA_TYPES_KEYS = tuple(DATA_TYPES_KEYS)
 
 
 def read_data_types(block: Any, block_precision: str, problems: list[Problem]) -> list[str]:
