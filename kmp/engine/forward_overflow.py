@@ -148,11 +148,7 @@ def to_float32(model: keras.Model, layer: keras.layers.Layer) -> None:
             policies = keras.dtype_policies.DTypePolicyMap(default_policy=policies)
             backbone.dtype_policy = policies  # its own compute dtype stays the default
         # (`dtype_policy` is the map itself where a layer holds one; the setter below writes into it.)
-        # A layer made outside a name scope (MultiHeadAttention's Softmax, a Dropout) has no path: it
-        # cannot be in the map, and only the live layer computes in float32.
-        if not isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap) and layer.path is not None:
-            if layer.path in policies:
-                del policies[layer.path]
+        if not isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
             policies[layer.path] = float32
     layer.dtype_policy = float32  # writes into the map where the layer holds one (Keras's setter)
 

@@ -9,10 +9,13 @@ LayerNormalization, a Softmax); a layer holding layers (a transformer block,
 a keras-hub backbone, MultiHeadAttention) keeps its policy, and the code
 between its inner layers runs in the dtype of the tensors it is handed.
 A subclass counts as its class (keras-hub's ReversibleEmbedding is an
-Embedding). Each moved layer gets a float32 dtype policy the way
-forward_overflow="float32" moves one (kmp.engine.forward_overflow.to_float32:
-a keras-hub backbone's layers through its DTypePolicyMap, so a saved model
-keeps it). Weights do not move: under a mixed policy they are float32
+Embedding). Each moved layer gets a float32 dtype policy, as
+forward_overflow="float32" gives one (kmp.engine.forward_overflow.to_float32),
+but on the live layer only: not in a keras-hub backbone's DTypePolicyMap,
+since the cast below is not saved, and a reloaded backbone whose float32
+layers hand float32 on would meet bfloat16 in its residual sums. A saved
+model reloads in its one policy; kmp.prepare with the config moves the
+layers again. Weights do not move: under a mixed policy they are float32
 already, and only the compute dtype changes.
 
 A moved layer hands its float outputs on in the dtype it computed in
@@ -33,7 +36,6 @@ from collections import Counter
 import keras
 
 from kmp.config import autocast_block
-from kmp.engine import forward_overflow
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def apply(model: keras.Model, names: tuple[str, ...] | None) -> list[str]:
     low = keras.backend.standardize_dtype(moved[0].compute_dtype)
     ends = _output_layers(model)
     for layer in moved:
-        forward_overflow.to_float32(model, layer)
+        layer.dtype_policy = keras.dtype_policies.get("float32")
         if all(layer is not end for end in ends):
             _hand_on_in(layer, low)
     model.train_function = None  # traced with the old dtypes
