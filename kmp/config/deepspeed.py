@@ -11,9 +11,9 @@
   dict and `kmp.wrap` with a config go through `load_config` too.
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
-- Unknown keys inside a block (fp16, bf16, kmp, zero_optimization; torch_autocast and
-  data_types too, see kmp.config.autocast_block) are errors with a did-you-mean, as DeepSpeed's
-  own config models refuse them:
+- Unknown keys inside a block (fp16, bf16, kmp, zero_optimization) are
+  errors with a did-you-mean, as DeepSpeed's own config models refuse them
+  (torch_autocast's and data_types' too, which DeepSpeed ignores: kmp.config.autocast_block says why):
   a misspelled `hysterisis` that silently keeps the default is the bug this
   module exists to catch. Unknown top-level keys are named in one warning
   and the file loads, as DeepSpeed ignores them (`strict=True` makes them
