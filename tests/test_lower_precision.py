@@ -163,3 +163,19 @@ def test_keras_hub_gpt2_in_bfloat16_moves_its_layers_and_trains(caplog, tmp_path
     norm = loaded.backbone.get_layer("transformer_layer_0")._feedforward_layer_norm
     assert norm.compute_dtype == "bfloat16"
     assert np.isfinite(loaded.predict(x, verbose=0)).all()
+
+
+def test_on_two_replicas_the_moved_layers_compute_in_float32_and_train(two_replicas):
+    with kmp.precision_scope("mixed_bfloat16"), two_replicas.scope():
+        keras.utils.set_random_seed(0)
+        model = _small_model()
+        model.compile(kmp.wrap(keras.optimizers.Adam(1e-3), _config("bf16")), "sparse_categorical_crossentropy")
+        kmp.prepare(model)
+        probe, seen = model.get_layer("probe"), model.get_layer("seen")
+        probe.seen.clear(), seen.seen.clear()
+        before = [w.numpy().copy() for w in model.trainable_weights]
+        history = _fit(model)
+    assert probe.seen and set(probe.seen) == {"float32"}
+    assert set(seen.seen) == {"bfloat16"}
+    assert np.isfinite(history.history["loss"]).all()
+    assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
