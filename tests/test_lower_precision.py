@@ -179,3 +179,19 @@ def test_on_two_replicas_the_moved_layers_compute_in_float32_and_train(two_repli
     assert set(seen.seen) == {"bfloat16"}
     assert np.isfinite(history.history["loss"]).all()
     assert any(not np.array_equal(b, w.numpy()) for b, w in zip(before, model.trainable_weights))
+
+
+def test_a_listed_rnn_computes_low_through_its_cell(float16):
+    inputs = keras.Input((5, 3))
+    x = keras.layers.LSTM(4, name="lstm")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+    model.compile(kmp.wrap(keras.optimizers.Adam(1e-3), _config("fp16", ["torch.nn.LSTM", "torch.nn.Linear"])),
+                  "mse")
+    assert lower_precision.to_float32_layers(model, lower_precision.safe_classes(("torch.nn.LSTM",))) == [
+        model.get_layer("out")]
+    kmp.prepare(model)
+    assert model.get_layer("lstm").cell.compute_dtype == "float16"
+    model.compile(kmp.wrap(keras.optimizers.Adam(1e-3), _config("fp16", ["torch.nn.Linear"])), "mse")
+    kmp.prepare(model)
+    assert model.get_layer("lstm").cell.compute_dtype == "float32"
+    assert model.get_layer("out").compute_dtype == "float16"

@@ -68,9 +68,10 @@ TORCH_TO_KERAS: dict[str, tuple[str, ...]] = {
     "RMSNorm": ("RMSNormalization",),
     "GroupNorm": ("GroupNormalization",),
     **{f"{lazy}BatchNorm{n}d": ("BatchNormalization",) for lazy in ("", "Lazy") for n in (1, 2, 3)},
-    "LSTM": ("LSTM",),
-    "GRU": ("GRU",),
-    "RNN": ("SimpleRNN",),
+    # A Keras RNN layer holds its cell, the layer that computes: both are named.
+    "LSTM": ("LSTM", "LSTMCell"),
+    "GRU": ("GRU", "GRUCell"),
+    "RNN": ("SimpleRNN", "SimpleRNNCell"),
     "Softmax": ("Softmax",),
     "ReLU": ("ReLU",),
     "Dropout": ("Dropout",),

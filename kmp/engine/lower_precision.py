@@ -19,7 +19,7 @@ layers again. Weights do not move: under a mixed policy they are float32
 already, and only the compute dtype changes.
 
 A moved layer hands its float outputs on in the dtype it computed in
-before (a cast after its call, on its instance), except the model's own
+before (a cast after its call, on its instance), except a Functional model's own
 outputs: TensorFlow adds no float32 to a bfloat16 tensor, and a
 transformer's residual sums (`x + residual`) and attention's einsums would
 meet both. torch.autocast promotes such a sum to float32 instead; in kmp
