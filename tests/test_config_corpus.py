@@ -159,7 +159,7 @@ def _path_taken(record) -> tuple:
     return (config.precision, config.loss_scale.dynamic, config.gradient_clipping is not None,
             (config.gradient_accumulation_steps or 1) > 1, config.communication_data_type,
             config.optimizer and config.optimizer.type, (config.scheduler or {}).get("type"), config.zero_stage > 0,
-            config.wall_clock_breakdown, passed, world > 1)
+            config.wall_clock_breakdown, passed, world > 1, config.lower_precision_safe_modules is not None)
 
 
 @functools.cache

@@ -4,6 +4,7 @@
     optimizer_block.py  the DeepSpeed optimizer block (keras imported only to build one)
     auto.py             DeepSpeed's "auto" values
     zero_block.py       the zero_optimization block's keys and value types (DeepSpeed's)
+    autocast_block.py   the torch_autocast and data_types blocks; torch module names -> Keras layer classes
     deepspeed.py        load_config, to_deepspeed, resolve_batch_sizes
     arguments.py        add_config_arguments: the same settings as command-line flags
     reference.py        the generated reference of every key (docs)

@@ -12,7 +12,8 @@
 - Keys the `fp16` block leaves out get DeepSpeed's defaults (the spec's
   Defaults table, right column), so a file means what it means to DeepSpeed.
 - Unknown keys inside a block (fp16, bf16, kmp, zero_optimization) are
-  errors with a did-you-mean, as DeepSpeed's own config models refuse them:
+  errors with a did-you-mean, as DeepSpeed's own config models refuse them
+  (torch_autocast's and data_types' too, which DeepSpeed ignores: kmp.config.autocast_block says why):
   a misspelled `hysterisis` that silently keeps the default is the bug this
   module exists to catch. Unknown top-level keys are named in one warning
   and the file loads, as DeepSpeed ignores them (`strict=True` makes them
@@ -20,7 +21,8 @@
   profilers, ZeRO's buckets, ...) are named together in one warning.
 - The `optimizer` block is read by kmp.config.optimizer_block, the `scheduler` block by
   kmp.schedules.formulas, `zero_optimization` here (its stage; what kmp does instead
-  is warned about; its other keys: kmp.config.zero_block). Hugging Face's
+  is warned about; its other keys: kmp.config.zero_block), `torch_autocast` and `data_types` by
+  kmp.config.autocast_block. Hugging Face's
   "auto" values are filled by kmp.config.auto.
 - kmp-only settings live in a `kmp` block. DeepSpeed reads top-level keys one
   by one and ignores the rest, so one file can serve both.
@@ -39,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from kmp.config import auto, optimizer_block, zero_block
+from kmp.config import auto, autocast_block, optimizer_block, zero_block
 from kmp.config.settings import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.schedules import formulas
@@ -57,6 +59,12 @@ DEEPSPEED_LOSS_SCALE = LossScaleConfig(
     raise_at_min_scale=True,
     growth_rule="after_window",
 )
+# What scales the loss under torch_autocast float16 when no fp16 block is enabled: torch.amp.GradScaler()
+# (deepspeed/runtime/engine.py; stage_1_and_2.py, stage3.py), at its defaults (init_scale=2**16,
+# growth_interval=2000, factors 2 and 0.5, no hysteresis: it grows after 2000 steps in a row without an
+# overflow, Keras's rule). kmp keeps its floor and ceiling, DeepSpeed's fp16 defaults (GradScaler has none).
+GRADSCALER_LOSS_SCALE = dataclasses.replace(DEEPSPEED_LOSS_SCALE, dynamic_growth_steps=2000, hysteresis=1,
+                                            growth_rule="every_window")
 
 
 # JSON value kinds: (what the error says is expected, the test).
@@ -146,8 +154,8 @@ _BLOCKS = ("fp16", "bf16", "kmp")
 _IGNORED: dict[str, list[str]] = {
     "": """memory_breakdown
         dump_state flops_profiler autotuning tensorboard wandb csv_monitor comet
-        trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp torch_autocast
-        seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather data_types
+        trackio comms_logger zero_allow_untested_optimizer zero_force_ds_cpu_optimizer amp
+        seq_parallel_communication_data_type gradient_allreduce_op sparse_gradients disable_allgather
         checkpoint aio elasticity compression_training quantize_training data_efficiency
         curriculum_learning sparse_attention pipeline progressive_layer_drop eigenvalue hybrid_engine
         dataloader_drop_last vocabulary_size graph_harvesting weight_quantization compile timers
@@ -157,7 +165,8 @@ _IGNORED: dict[str, list[str]] = {
     "bf16": ["immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"],
 }
 # Top-level blocks read by their own modules.
-_READ_ELSEWHERE = ("optimizer", "scheduler", "zero_optimization", "activation_checkpointing")
+_READ_ELSEWHERE = ("optimizer", "scheduler", "zero_optimization", "activation_checkpointing", "torch_autocast",
+                   "data_types")
 # Where "auto" may stay: blocks kmp does not act on, and ZeRO's tuning keys.
 _AUTO_LEFT = tuple(_IGNORED[""]) + ("zero_optimization", "activation_checkpointing")
 
@@ -402,11 +411,29 @@ def _from_dict(raw: Any, name: str, strict: bool = False, problems: list[Problem
             raw["activation_checkpointing"], strict, unknown)
         problems += more
         notes += checkpointing_notes
+    base_scale = DEEPSPEED_LOSS_SCALE
+    if "torch_autocast" in raw:
+        precision, safe, autocast_notes = autocast_block.read_autocast(raw["torch_autocast"], problems)
+        notes += autocast_notes
+        if precision is not None:
+            named = claimed.get("precision")
+            if named is None:
+                top["precision"] = precision
+                if precision == "fp16":
+                    base_scale = GRADSCALER_LOSS_SCALE
+            elif named[1] != precision:
+                problems.append(Problem(
+                    "torch_autocast.dtype", f"{named[1]!r}, what {named[0]} asks for", raw["torch_autocast"].get("dtype"),
+                    "kmp computes in one lower precision (DeepSpeed would keep the weights in one and autocast to "
+                    "the other): make the two agree."))
+            top["lower_precision_safe_modules"] = safe
+    if "data_types" in raw:
+        notes += autocast_block.read_data_types(
+            raw["data_types"], claimed["precision"][1] if "precision" in claimed else "fp32", problems)
     # Constructing validates ranges; problems come back under field names and
     # are reported under the JSON key path, with the value as written there.
     rows = {row.field: row for row in DEEPSPEED_KEYS}
-    loss_scale, found = attempt(lambda: dataclasses.replace(DEEPSPEED_LOSS_SCALE, **scale), DEEPSPEED_LOSS_SCALE,
-                                "loss_scale.")
+    loss_scale, found = attempt(lambda: dataclasses.replace(base_scale, **scale), base_scale, "loss_scale.")
     config, more = attempt(lambda: Config(**top, loss_scale=loss_scale), DEEPSPEED_CONFIG)
     for p in found + more:
         row = rows.get(p.path)
@@ -591,6 +618,9 @@ def to_deepspeed(config: Config) -> dict[str, Any]:
         out["zero_optimization"] = {"stage": config.zero_stage}
     if config.activation_checkpointing:
         out["activation_checkpointing"] = {}
+    if config.lower_precision_safe_modules is not None:
+        out["torch_autocast"] = {"enabled": True, "dtype": autocast_block.AUTOCAST_DTYPE_NAME[config.precision],
+                                 "lower_precision_safe_modules": list(config.lower_precision_safe_modules)}
     return out
 
 

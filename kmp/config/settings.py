@@ -204,6 +204,10 @@ class Config:
     steps_per_print: int | None = None
     # DeepSpeed's activation_checkpointing block was given: on through kmp.prepare (kmp.engine.recompute).
     activation_checkpointing: bool = False
+    # DeepSpeed's torch_autocast block, enabled: the torch module names whose Keras layers compute in
+    # `precision`; every other layer computing on its own computes in float32 (kmp.engine.lower_precision).
+    # None: no such block, every layer follows the model's policy.
+    lower_precision_safe_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         out: list[Problem] = []
@@ -227,6 +231,17 @@ class Config:
             values.positive("gradient_clipping", self.gradient_clipping, out)
         values.boolean("wall_clock_breakdown", self.wall_clock_breakdown, out)
         values.boolean("activation_checkpointing", self.activation_checkpointing, out)
+        if self.lower_precision_safe_modules is not None:
+            if isinstance(self.lower_precision_safe_modules, list):
+                object.__setattr__(self, "lower_precision_safe_modules", tuple(self.lower_precision_safe_modules))
+            if not (isinstance(self.lower_precision_safe_modules, tuple)
+                    and all(isinstance(n, str) for n in self.lower_precision_safe_modules)):
+                out.append(Problem("lower_precision_safe_modules", "a tuple of torch module names (or None)",
+                                   self.lower_precision_safe_modules))
+            elif self.precision == "fp32":
+                out.append(Problem("lower_precision_safe_modules", "None when precision is 'fp32'",
+                                   self.lower_precision_safe_modules,
+                                   "They name the layers computing in fp16 or bf16: set precision to one."))
         for name in ("train_batch_size", "micro_batch_size", "gradient_accumulation_steps", "steps_per_print"):
             value = getattr(self, name)
             if value is not None:

@@ -13,6 +13,7 @@
     iterators.py       finished input iterators destroyed off the main thread
     overflow_layer.py  find_overflow: which layer's forward output overflowed
     forward_overflow.py  a layer's float16 output not finite: raised, or the layer moved to float32
+    lower_precision.py the layers a config's torch_autocast block does not mark safe, moved to float32
     prepare.py         prepare(model): fit() under strategies (kmp.prepare)
     state.py           the one object kmp keeps on a model: prepare's settings, the caches above
 

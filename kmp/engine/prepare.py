@@ -28,7 +28,8 @@ import tensorflow as tf
 from kmp import seams, values
 from kmp.distribute.leaving import leave_last
 from kmp.distribute.tpu import is_tpu_strategy
-from kmp.engine import engine, forward_overflow, host_batches, iterators, overflow_layer, recompute, replica_step
+from kmp.engine import engine, forward_overflow, host_batches, iterators, lower_precision, overflow_layer, recompute
+from kmp.engine import replica_step
 from kmp.engine import state, wall_clock
 from kmp.engine import buffers as flat
 from kmp.engine.replica_step import FINDER, FLAT, XLA
@@ -97,6 +98,12 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     the blocks. "auto": on if the DeepSpeed config `kmp.wrap` was given has
     an `activation_checkpointing` block, else off. False: off (the blocks'
     own calls back).
+
+    A DeepSpeed config given to `kmp.wrap` with `torch_autocast` enabled:
+    every layer with no layers inside whose class is not one its
+    `lower_precision_safe_modules` maps to computes in float32 (a float32
+    dtype policy; its weights are float32 already), said in one line
+    (kmp.engine.lower_precision).
 
     A `keras.optimizers.LossScaleOptimizer` on the model (compile() wraps any
     optimizer in it under mixed_float16) is replaced by kmp's on the same
@@ -175,6 +182,8 @@ def prepare(model: keras.Model, *, jit_compile: bool | str = "auto", find_overfl
     (kept.jit_compile, kept.find_overflow_layer, kept.flat_buffers, kept.wall_clock_breakdown,
      kept.activation_checkpointing) = settings
     kept.prepared = True
+    lower_precision.apply(model, getattr(getattr(model, "optimizer", None), "kmp_lower_precision_safe_modules",
+                                         None))
     recompute.apply(model, blocks)
     leave_last(model.distribute_strategy)  # a strategy users built themselves, not resolve_strategy's
     _with_kmp_loss_scaling(model)

@@ -130,16 +130,19 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
         # the scope the model trains in. bfloat16 weights: kmp.prepare's flat buffers train them from float32
         # masters, with kmp's optimizer.
         wrapped = LossScaleOptimizer(optimizer, static_scale=1.0, gradient_clipping=clip, **extra)
-    elif settings.wall_clock_breakdown or settings.activation_checkpointing:
+    elif (settings.wall_clock_breakdown or settings.activation_checkpointing
+          or settings.lower_precision_safe_modules is not None):
         # A copy, unless built (its state would be lost): then the attributes below are set on it.
         wrapped = optimizer if optimizer.built else _copy_with(optimizer)
     else:
         return optimizer
-    # Read by kmp.prepare (kmp.engine.wall_clock, kmp.engine.recompute): run settings, not saved with the optimizer.
+    # Read by kmp.prepare (kmp.engine.wall_clock, kmp.engine.recompute, kmp.engine.lower_precision): run settings, not saved with the optimizer.
     if settings.wall_clock_breakdown:
         wrapped.kmp_wall_clock_breakdown = settings.steps_per_print or True
     if settings.activation_checkpointing:
         wrapped.kmp_activation_checkpointing = True
+    if settings.lower_precision_safe_modules is not None:  # kmp.engine.lower_precision
+        wrapped.kmp_lower_precision_safe_modules = settings.lower_precision_safe_modules
     return wrapped
 
 
