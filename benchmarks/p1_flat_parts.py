@@ -9,7 +9,12 @@ update, the rest):
   `kmp.prepare` picks), each replica half of the batch;
 - the same model on one device, the whole batch (its forward/backward and
   update compiled apart, so the parts can be stamped);
-- stock Keras on one device with whole-step XLA: the floor, one number.
+- stock Keras on one device with whole-step XLA: the floor, one number;
+- and the floors of two parts, on a flat float32 tensor of the model's
+  parameter count: the all-reduce between the two logical CPUs
+  (MirroredStrategy's, alone), Adam's update with XLA on one device (read
+  the gradient and three buffers, write three), and a copy of the tensor
+  with XLA (the memory's bandwidth).
 
 Each model takes `--windows` fit() calls of `--steps` steps, in rotation; a
 part's figure is the median over the windows of its mean per step.
@@ -20,7 +25,9 @@ part's figure is the median over the windows of its mean per step.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import time
 
 from common import mlp, regression_data, use_two_logical_cpus
 
@@ -60,7 +67,10 @@ def main() -> None:
               "one device, flat buffers": build(None, "kmp"),
               "one device, stock Keras whole-step XLA (the floor)": build(None, "floor")}
     keras.config.set_dtype_policy("float32")
+    parameters = sum(math.prod(v.shape) for v in models["one device, flat buffers"].trainable_weights)
+    floors = _part_floors(mirrored, parameters)
     parts = {name: {p: [] for p in PARTS} for name in models}
+    floor_ms = {name: [] for name in floors}
     for _ in range(args.windows):
         for name, model in models.items():
             if "floor" in name:
@@ -71,6 +81,8 @@ def main() -> None:
             logs = model.fit(x, y, batch_size=64, verbose=0).history
             for p in PARTS:
                 parts[name][p].append(logs[f"wall_clock/{p}_ms"][-1])
+        for name, run in floors.items():
+            floor_ms[name].append(_ms_per_call(run, args.steps))
     floor = statistics.median(parts[list(models)[-1]]["total"])
     print(f"P1, {args.policy}: ms per step, median of {args.windows} windows of {args.steps} steps "
           "(the floor's: its whole fit() over its steps)")
@@ -78,6 +90,51 @@ def main() -> None:
     for name, values in parts.items():
         cells = "".join(f"{statistics.median(v):11.2f}" if v else f"{'':11s}" for v in values.values())
         print(f"{name:52s}{cells}   {statistics.median(values['total']) / floor:.2f}x")
+    for name, values in floor_ms.items():
+        print(f"{name:52s} {statistics.median(values):.2f} ms ({min(values):.2f}-{max(values):.2f})")
+
+
+def _part_floors(mirrored, parameters: int) -> dict:
+    """name -> a function running one part alone on `parameters` float32 elements, its result read back."""
+    import tensorflow as tf
+
+    flat = lambda seed: tf.random.stateless_normal([parameters], seed=[seed, 0])
+    shares = mirrored.experimental_distribute_values_from_function(lambda ctx: flat(ctx.replica_id_in_sync_group))
+
+    @tf.function
+    def all_reduce(values):
+        summed = mirrored.run(lambda v: tf.distribute.get_replica_context().all_reduce("sum", v), args=(values,))
+        return mirrored.experimental_local_results(summed)[0][0]
+
+    with tf.device("/cpu:0"):
+        weights, first, second, copied = (tf.Variable(flat(k)) for k in range(4))
+        gradient = flat(9)
+
+    @tf.function(jit_compile=True)
+    def update(g):
+        m, v = 0.9 * first + 0.1 * g, 0.999 * second + 0.001 * g * g
+        first.assign(m)
+        second.assign(v)
+        weights.assign_sub(1e-4 * m / (tf.sqrt(v) + 1e-7))
+        return weights[0]
+
+    @tf.function(jit_compile=True)
+    def copy(g):
+        copied.assign(g)
+        return copied[0]
+
+    return {f"floor: all-reduce of {parameters:,} float32, two logical CPUs": lambda: all_reduce(shares),
+            "floor: Adam's update on them, one device, XLA": lambda: update(gradient),
+            "floor: a copy of them, one device, XLA": lambda: copy(gradient)}
+
+
+def _ms_per_call(run, calls: int) -> float:
+    float(run())  # warm
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = run()
+    float(out)
+    return (time.perf_counter() - start) * 1000 / calls
 
 
 if __name__ == "__main__":
