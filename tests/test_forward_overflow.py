@@ -254,3 +254,22 @@ def test_a_keras_hub_gpt2_trains_on_with_its_feed_forward_layer_in_float32(tmp_p
     again = [layer.path for layer in loaded._flatten_layers() if layer.compute_dtype == "float32"
              and isinstance(layer, keras.layers.Dense)]
     assert again == moved
+
+
+def test_a_layer_with_no_path_in_a_backbone_moves_to_float32_live(caplog):
+    """Layers made outside any layer's scope (a keras-hub block's Dropout) have no path: no map entry a
+    load could find, so the live layer moves and kmp says that a saved model will not keep it."""
+    import real_models
+
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = real_models.gpt2()
+    finally:
+        keras.config.set_dtype_policy(policy)
+    layer = next(l for l in model._flatten_layers(include_self=False)
+                 if not l.path and not isinstance(l, keras.layers.InputLayer))
+    with caplog.at_level(logging.WARNING):
+        forward_overflow.to_float32(model, layer)
+    assert layer.dtype_policy.name == "float32"
+    assert "has no path" in caplog.text and layer.name in caplog.text

@@ -149,7 +149,11 @@ def to_float32(model: keras.Model, layer: keras.layers.Layer) -> None:
             backbone.dtype_policy = policies  # its own compute dtype stays the default
         # (`dtype_policy` is the map itself where a layer holds one; the setter below writes into it.)
         if not isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
-            policies[layer.path] = float32
+            if layer.path:
+                policies[layer.path] = float32
+            else:  # made outside any layer's scope (MultiHeadAttention's Softmax): no key a load finds
+                logger.warning("kmp: %s has no path in %s: it computes in float32 now, but a saved model "
+                               "reloads it in %s.", layer.name, backbone.name, policies.default_policy.name)
     layer.dtype_policy = float32  # writes into the map where the layer holds one (Keras's setter)
 
 
