@@ -29,7 +29,9 @@ mixed_bfloat16, one device, with and without
 kmp.prepare(activation_checkpointing=True), Keras's step (no XLA, its
 default on a CPU) and with jit_compile=True: peak above rest, the median
 step after the first epoch, the losses. Were XLA to merge the recomputation
-into the forward pass, its peak would not fall.
+into the forward pass, its peak would not fall. The step ratio is then
+measured again in one process, the two models' steps in alternation
+(common.alternating_steps), so that a busy machine slows both alike.
 
 --largest: for each setup, the GPT-2s of `LADDER` in turn, each in its own
 process that trains one step of batch 1, sequence 256, vocabulary 50257
@@ -327,6 +329,53 @@ def checkpointing() -> None:
         print(f"| {name}: {what} | {r['peak'] / MB:,.0f} / {above / MB:,.0f} | {above / base_above:.2f}x | "
               f"{r['ms']:,.0f} | {r['ms'] / base['ms']:.2f}x | {', '.join(f'{v:.5f}' for v in r['losses'])} | "
               f"{r['path']} |")
+    print("\n| Keras's step | ms per step, plain / checkpointed, in alternation in one process | step vs plain |")
+    print("| --- | --- | --- |")
+    for jit in (False, True):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--steps-ab", "1" if jit else "0"],
+                             capture_output=True, text=True)
+        found = [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")]
+        if not found:
+            print(f"| jit_compile={jit} | {(out.stderr.strip().splitlines() or ['failed'])[-1][:200]} | |")
+            continue
+        ms = found[0]
+        print(f"| jit_compile={jit} | {ms['plain']:,.0f} / {ms['checkpointed']:,.0f} | "
+              f"{ms['checkpointed'] / ms['plain']:.2f}x |", flush=True)
+
+
+def checkpointing_steps(jit: bool, steps: int = 10) -> dict:
+    """ms per step of the checkpointing model without and with checkpointing, in alternation in this process."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    import kmp
+    from common import alternating_steps
+
+    spec = CHECKPOINTING_MODEL
+    rows = spec["batch"] * 4
+    tokens = np.random.default_rng(0).integers(1, spec["vocabulary"], (rows, spec["sequence"] + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((rows, spec["sequence"]), "int32")}
+    data = tf.data.Dataset.from_tensor_slices((x, tokens[:, 1:])).batch(spec["batch"]).repeat()
+
+    def built(checkpointing):
+        keras.config.set_dtype_policy(spec["precision"])
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=spec["vocabulary"], num_layers=spec["layers"], num_heads=spec["heads"],
+            hidden_dim=spec["hidden"], intermediate_dim=4 * spec["hidden"], max_sequence_length=spec["sequence"],
+            dropout=0.0)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=kmp.wrap(keras.optimizers.AdamW(1e-4)), jit_compile=jit,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        kmp.prepare(model, flat_buffers=False, activation_checkpointing=checkpointing)
+        model.fit(data, steps_per_epoch=1, verbose=0)  # trace, compile
+        return model, iter(data)
+
+    times = alternating_steps({"plain": built(False), "checkpointed": built(True)}, steps, warmup=2)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 def largest(limit: float) -> None:
@@ -355,8 +404,11 @@ def main(argv=None) -> None:
     parser.add_argument("--limit", type=float, default=22.0, help="--largest: GiB of resident memory per trial")
     parser.add_argument("--json", default="", help="the table's rows, also written to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--steps-ab", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.steps_ab is not None:
+        print("@@" + json.dumps(checkpointing_steps(args.steps_ab == "1")), flush=True)
+    elif args.worker:
         print("@@" + json.dumps(worker(json.loads(args.worker))), flush=True)
     elif args.checkpointing:
         checkpointing()

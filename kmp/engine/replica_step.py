@@ -119,7 +119,7 @@ def in_turn(model: keras.Model, scale):
 
     They share the cores. A transformer's pass already takes both, so in turn costs little time (keras-hub
     GPT-2s, flat buffers: 1.00x at 33.6M parameters, 1.04x at 5.3M) and its two XLA compiles and two sets
-    of activations are not held at once (benchmarks/memory.py: 350 MB less at 5.3M). A small MLP's passes
+    of activations are not held at once (benchmarks/memory.py: 390 MB less at 5.3M). A small MLP's passes
     cannot fill the cores alone: run together they were 1.1-1.3x faster (P1, 2.6M parameters). Between
     2.6M and 5.3M the threshold is a guess. MirroredStrategy traces its replicas one after another, in
     order, so the previous replica's pass is in the graph when this one is traced.
