@@ -151,7 +151,7 @@ def to_float32(model: keras.Model, layer: keras.layers.Layer) -> None:
         if not isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
             if layer.path:
                 policies[layer.path] = float32
-            else:  # made outside any layer's scope (MultiHeadAttention's Softmax): no key a load finds
+            else:  # made outside any layer's scope (a keras-hub block's Dropout): no key a load finds
                 logger.warning("kmp: %s has no path in %s: it computes in float32 now, but a saved model "
                                "reloads it in %s.", layer.name, backbone.name, policies.default_policy.name)
     layer.dtype_policy = float32  # writes into the map where the layer holds one (Keras's setter)

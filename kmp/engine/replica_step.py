@@ -117,12 +117,11 @@ def in_turn(model: keras.Model, scale):
     and the model has at least IN_TURN_PARAMETERS (else itself): their passes then compile, and hold their
     activations, one at a time.
 
-    They share the cores. A transformer's pass already takes both, so in turn costs little time (keras-hub
-    GPT-2s, flat buffers: 1.00x at 33.6M parameters, 1.04x at 5.3M) and its two XLA compiles and two sets
-    of activations are not held at once (benchmarks/memory.py: 390 MB less at 5.3M). A small MLP's passes
-    cannot fill the cores alone: run together they were 1.1-1.3x faster (P1, 2.6M parameters). Between
-    2.6M and 5.3M the threshold is a guess. MirroredStrategy traces its replicas one after another, in
-    order, so the previous replica's pass is in the graph when this one is traced.
+    They share the cores. A transformer's pass already takes both, so in turn costs it little time, and
+    its two XLA compiles and two sets of activations are not held at once; a small MLP's passes cannot
+    fill the cores alone, and run together faster (benchmarks/RESULTS.md, "Memory as the process holds
+    it": the threshold lies between the two models measured there). MirroredStrategy traces its replicas
+    one after another, in order, so the previous replica's pass is in the graph when this one is traced.
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync < 2 or not cpus_of_one_process(strategy):
