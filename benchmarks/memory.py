@@ -4,6 +4,7 @@
     python benchmarks/memory.py --sizes small --only kmp-mirrored,zero1-mirrored
     python benchmarks/memory.py --checkpointing       # activation checkpointing: memory, step, losses
     python benchmarks/memory.py --largest             # the largest GPT-2 that trains a step here
+    python benchmarks/memory.py --largest --only kmp --start 40x1536 --limit 22
 
 The models are keras-hub GPT2CausalLMs built from a config (no download).
 The table: "large" is 8 layers x hidden 512, vocabulary 16384 (33.6M
@@ -378,12 +379,15 @@ def checkpointing_steps(jit: bool, steps: int = 10) -> dict:
     return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
-def largest(limit: float) -> None:
+def largest(limit: float, setups: list[str], start: str = "") -> None:
     print(f"\n| setup | largest that trained (layers x hidden: parameters) | the next (why not) |")
     print("| --- | --- | --- |")
+    ladder = LADDER[[f"{layers}x{hidden}" for layers, hidden in LADDER].index(start):] if start else LADDER
     for name, settings in LARGEST.items():
+        if setups and not any(s in name for s in setups):
+            continue
         best, stop = None, ""
-        for layers, hidden in LADDER:
+        for layers, hidden in ladder:
             r = run({**LARGEST_RUN, "layers": layers, "hidden": hidden, "heads": hidden // 64, **settings},
                     limit=limit)
             print(f"{name}, {layers} x {hidden}: " + (r.get("failure") or f"peak {r['peak'] / 2**30:.1f} GiB"),
@@ -398,10 +402,11 @@ def largest(limit: float) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="small,large")
-    parser.add_argument("--only", default="", help="configurations, comma separated (default: all)")
+    parser.add_argument("--only", default="", help="configurations, comma separated (default: all); --largest: setups whose name holds one")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing instead")
     parser.add_argument("--largest", action="store_true", help="the largest model that fits instead")
     parser.add_argument("--limit", type=float, default=22.0, help="--largest: GiB of resident memory per trial")
+    parser.add_argument("--start", default="", help="--largest: the ladder's first rung, as LAYERSxHIDDEN")
     parser.add_argument("--json", default="", help="the table's rows, also written to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--steps-ab", help=argparse.SUPPRESS)
@@ -413,7 +418,7 @@ def main(argv=None) -> None:
     elif args.checkpointing:
         checkpointing()
     elif args.largest:
-        largest(args.limit * 2**30)
+        largest(args.limit * 2**30, args.only.split(",") if args.only else [], args.start)
     else:
         table(args.sizes.split(","), args.only.split(",") if args.only else list(CONFIGURATIONS), args.json)
 
