@@ -402,7 +402,8 @@ def largest(limit: float, setups: list[str], start: str = "") -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="small,large")
-    parser.add_argument("--only", default="", help="configurations, comma separated (default: all); --largest: setups whose name holds one")
+    parser.add_argument("--only", default="",
+                        help="configurations, comma separated (default: all); --largest: setups whose name holds one")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing instead")
     parser.add_argument("--largest", action="store_true", help="the largest model that fits instead")
     parser.add_argument("--limit", type=float, default=22.0, help="--largest: GiB of resident memory per trial")
