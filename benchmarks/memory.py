@@ -250,7 +250,10 @@ def run(spec: dict, limit: float | None = None) -> dict:
     for line in out.splitlines():
         if line.startswith("@@"):
             return json.loads(line[2:])
-    return dict(failure=(err.strip().splitlines() or [f"exit status {child.returncode}"])[-1][:200])
+    if child.returncode < 0:  # SIGKILL from outside: the kernel's out-of-memory killer
+        return dict(failure=f"killed by signal {-child.returncode} (out of memory)")
+    said = [line for line in err.strip().splitlines() if not line[:1] in "IWE" or not line[1:5].isdigit()]
+    return dict(failure=(said or [f"exit status {child.returncode}"])[-1][:200])
 
 
 def table(sizes: list[str], names: list[str], save: str = "") -> None:
