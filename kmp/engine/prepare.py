@@ -313,7 +313,8 @@ def _plan(model, step_function) -> _Plan:
     xla = _xla_asked(model)
     # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
     timed_apart = bool(every) and xla and not several
-    if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart):
+    # Replaying an overflowing step recomputes its forward/backward: on one device too, kmp's step, which can.
+    if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart or replica_step.replays(model)):
         # A new train function (after compile(), a new prepare(), frozen
         # layers) traces new XLA functions: a cached one holds the old loss,
         # metrics and trainable variables.

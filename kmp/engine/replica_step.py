@@ -37,6 +37,7 @@ from kmp import seams
 from kmp.distribute.communication import all_reduce_sum, cpus_of_one_process
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import state, wall_clock, xla_choice
+from kmp.scaling.replay import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,22 @@ def train_step(model: keras.Model, data):
     passed(model, loss)
     wall_clock.stamp("gradients", grads)
     apply_writes_and_track_loss(model, writes, loss, x)
-    model.optimizer.apply(grads, trainable)
+    if replays(model):
+        def again(new_scale):  # the same batch, weights and seeds, at another loss scale
+            factor = new_scale if weight is None else new_scale * weight
+            return _compiled(model)(values, other_values, factor, x, y, sample_weight)[0]
+
+        model.optimizer.apply(grads, trainable, replay=Replay(again, loss))
+    else:
+        model.optimizer.apply(grads, trainable)
     wall_clock.stamp("updated", trainable[:1])  # kmp's optimizer stamped its own parts already
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def replays(model: keras.Model) -> bool:
+    """Whether the model's optimizer replays overflowing steps (kmp.scaling.replay): its step then passes
+    the optimizer a way to compute the batch's gradients again."""
+    return bool(getattr(model.optimizer, "replays", False))
 
 
 def in_turn(model: keras.Model, scale):

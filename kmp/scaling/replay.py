@@ -1,0 +1,174 @@
+"""overflow="replay": an overflowing step recomputed on its own batch at the lowered scale, inside the step.
+
+The step hands the optimizer a `Replay`: its loss, and the forward/backward
+pass again on the same batch, weights and seeds at a given scale. Then, in
+replica context, after the all-reduce and the overflow check ("skip"'s):
+
+    if not finite:                                  # agreed by every replica: on a clean step a
+                                                    # branch not taken, the rest of the step as before
+        if every replica's loss is finite:          # else no scale helps (a forward overflow,
+                                                    # kmp.engine.forward_overflow): skipped as before
+            while not finite and replays < MAX_REPLAYS and scale > min_scale:
+                scale = max(scale * backoff, min_scale); good_steps = 0   # hysteresis is not spent:
+                                                    # the same scale would overflow again
+                grads = forward_backward(batch, scale) / scale
+                grads = all_reduce(grads); finite, clip = check(grads)
+            replayed_steps += 1
+    update(grads) if finite; adjust(finite)         # as "skip": the batch counts once in `iterations`
+                                                    # and the schedule; still not finite: skipped
+
+With gradient accumulation each micro-batch is checked as it arrives (one
+all-reduce of a flag, no gradient exchange) and only an overflowing one is
+replayed, the same way, before it joins the window; the window's own check
+stays.
+
+Under MirroredStrategy every all-reduce is a merge_call, which cannot sit in
+a replica's own cond or loop: the branch and its loop are then built across
+replicas, each retry run on every replica (`_Across`), as kmp's accumulation
+window is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+from kmp import seams
+from kmp.distribute.communication import all_reduce_sum
+
+# Retries of one step: from kmp's initial 2**15, 8 halvings reach 2**7. A step that still overflows is
+# skipped as with "skip", and the next step starts from the scale reached.
+MAX_REPLAYS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """What the step gives the optimizer to replay its batch: `gradients(scale)`, this replica's gradients
+    of the same batch at `scale`, unscaled float32 in the form the optimizer's layout takes; and its `loss`."""
+
+    gradients: Callable
+    loss: object
+
+
+def local_finite(grads):
+    """Whether this replica's gradients (a list, None allowed) hold no inf or nan."""
+    flags = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+             for g in grads if g is not None]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def agreed_finite(grads):
+    """Whether every replica's gradients are finite: one all-reduce of a flag (none on one replica)."""
+    bad = tf.cast(tf.logical_not(local_finite(grads)), tf.float32)
+    (total,) = all_reduce_sum([bad])
+    return total == 0
+
+
+def replayed(optimizer, replay: Replay, grads, finite, clip, flags, layout, count, weight, reduce: bool = True):
+    """(grads, finite, clip, flags) after replaying an overflowing step (replica context); as they are on a
+    clean one. `reduce`: the gradients are all-reduced and checked by the layout (an effective step), else
+    only checked on every replica (a micro-batch, kmp.scaling.accumulate)."""
+    strategy = tf.distribute.get_strategy()
+    return tf.__internal__.distribute.interim.maybe_merge_call(
+        _branch, strategy, optimizer, replay, grads, finite, clip, flags, layout, count, weight, reduce)
+
+
+def _branch(strategy, optimizer, replay, grads, finite, clip, flags, layout, count, weight, reduce):
+    across = _Across(strategy, (grads, finite, clip, flags))
+
+    def overflowed():
+        def retry(replay, layout, count, weight):
+            return _retry(optimizer, replay, layout, count, weight, reduce)
+
+        can = across.first(across.each(lambda r: _loss_finite(r), replay))
+        config = optimizer.loss_scale_config
+
+        def more(i, scale, state):
+            return (tf.logical_not(across.first(state[1])) & can & (i < MAX_REPLAYS)
+                    & (scale > config.min_scale))
+
+        def body(i, _, state):
+            state = across.each(retry, replay, layout, count, weight)
+            return i + 1, tf.convert_to_tensor(optimizer.dynamic_scale.value), across.flat(state)
+
+        start = (tf.constant(0), tf.convert_to_tensor(optimizer.dynamic_scale.value), across.flat(across.given))
+        i, _, state = tf.while_loop(lambda i, s, f: more(i, s, across.grouped(f)), body, start)
+        with tf.control_dependencies(state):
+            optimizer.replayed_steps.assign_add(tf.cast(i > 0, optimizer.replayed_steps.dtype))
+        return [tf.identity(t) for t in state]
+
+    out = tf.cond(across.first(finite), lambda: across.flat(across.given), overflowed)
+    return across.grouped(out)
+
+
+def _loss_finite(replay):
+    (bad,) = all_reduce_sum([tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(replay.loss))), tf.float32)])
+    return bad == 0
+
+
+def _retry(optimizer, replay, layout, count, weight, reduce):
+    """One retry on this replica: the scale backed off, the batch's gradients again, all-reduced and checked."""
+    config = optimizer.loss_scale_config
+    scale = tf.maximum(optimizer.dynamic_scale.value * config.backoff_factor, config.min_scale)
+    optimizer.dynamic_scale.assign(scale)
+    optimizer.good_steps.assign(0)
+    grads = replay.gradients(scale)
+    if not reduce:
+        return grads, agreed_finite(grads), None, None
+    grads = layout.reduce(optimizer, grads, count, weight)
+    finite, clip, flags = layout.check(optimizer, grads)
+    return grads, finite, clip, flags
+
+
+class _Across:
+    """Per-replica values as one flat list of tensors (replica after replica), which a cond or a while loop
+    built across replicas can carry; and back. In a replica's own context (one replica, or no merge_call)
+    the list is that replica's."""
+
+    def __init__(self, strategy, given):
+        self.strategy, self.given = strategy, given
+        self.across = tf.distribute.in_cross_replica_context()
+        self.count = len(strategy.extended.worker_devices) if self.across else 1
+        self.template = self._replica(given, 0)
+        self.present = [v is not None for v in tf.nest.flatten(self.template, expand_composites=True)]
+
+    def _replica(self, value, k):
+        def local(v):
+            if isinstance(v, tf.distribute.DistributedValues):
+                return self.strategy.experimental_local_results(v)[k]
+            return v
+
+        return tf.nest.map_structure(local, value)
+
+    def flat(self, value):
+        """`value` (this structure, per replica) as its tensors, replica after replica."""
+        out = []
+        for k in range(self.count):
+            leaves = tf.nest.flatten(self._replica(value, k), expand_composites=True)
+            out += [v for v in leaves if v is not None]
+        return out
+
+    def grouped(self, tensors):
+        """`flat`'s tensors as the structure again: per replica across replicas, else this replica's."""
+        tensors = list(tensors)
+        size = sum(self.present)
+        structures = []
+        for k in range(self.count):
+            mine = iter(tensors[k * size:(k + 1) * size])
+            leaves = [next(mine) if p else None for p in self.present]
+            structures.append(tf.nest.pack_sequence_as(self.template, leaves, expand_composites=True))
+        if not self.across:
+            return structures[0]
+        return seams.get("regroup")(structures)
+
+    def first(self, value):
+        """The first replica's value of something every replica agrees on (a flag)."""
+        return self._replica(value, 0) if self.across else value
+
+    def each(self, fn, *args):
+        """fn(*args) on every replica: from across the replicas, or here."""
+        if self.across:
+            return self.strategy.extended.call_for_each_replica(fn, args=args)
+        return fn(*args)
