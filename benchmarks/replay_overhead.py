@@ -41,6 +41,7 @@ def main() -> None:
     import tensorflow as tf
 
     import kmp
+    from kmp.engine import replica_step
 
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     default = tf.distribute.get_strategy()
@@ -59,7 +60,7 @@ def main() -> None:
         model.fit(x[: 2 * args.batch], y[: 2 * args.batch], batch_size=args.batch, epochs=1, verbose=0)
         keras.config.set_dtype_policy("float32")
         data = strategy.experimental_distribute_dataset(dataset) if strategy is mirrored else dataset
-        return model, iter(data), kmp.describe_path(model)
+        return model, iter(data), replica_step.describe_path(model)
 
     groups = []
     for flat in (False, True):

@@ -337,7 +337,8 @@ def _plan(model, step_function) -> _Plan:
     # computation, which fails with several replicas.
     return _Plan(step=step_function, engine=flat_engine, stock=stock, kmp_step=kmp_step,
                  whole_step_xla=xla and not several and not timed_apart,
-                 replica_xla=kmp_step and (flat_engine is None or flat_engine.xla), finder=finder, every=every,
+                 replica_xla=kmp_step and (flat_engine.xla if flat_engine is not None else several or xla),
+                 finder=finder, every=every,
                  timed_apart=timed_apart)
 
 

@@ -207,7 +207,11 @@ def _compiled(model):
     cache = state.ensure(model).replica_steps
     key = replica_key()
     if key not in cache:
-        cache[key] = compiled(model, lambda *args: _forward_backward(model, *args))
+        function = lambda *args: _forward_backward(model, *args)  # noqa: E731
+        # On one device (a replaying step, kmp.scaling.replay) XLA only where Keras's whole step would have it.
+        one_device_plain = not splits_replicas(model.distribute_strategy) and not (
+            state.setting(model, "jit_compile") is True or model.jit_compile)
+        cache[key] = xla_choice.plain(function) if one_device_plain else compiled(model, function)
     return cache[key]
 
 
