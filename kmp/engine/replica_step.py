@@ -106,7 +106,10 @@ def train_step(model: keras.Model, data):
     if replays(model):
         def again(new_scale):  # the same batch, weights and seeds, at another loss scale
             factor = new_scale if weight is None else new_scale * weight
-            return _compiled(model)(values, other_values, factor, x, y, sample_weight)[0]
+            # The weights read again (not updated yet): a replay built across replicas then takes each
+            # variable in, not each value, which would cross between devices (kmp.scaling.replay).
+            now = [tf.convert_to_tensor(v.value) for v in trainable]
+            return _compiled(model)(now, other_values, factor, x, y, sample_weight)[0]
 
         model.optimizer.apply(grads, trainable, replay=Replay(again, loss))
     else:
