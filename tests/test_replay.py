@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import kmp
 from kmp.config.deepspeed import load_config
+from kmp.engine.replica_step import describe_path
 from kmp.scaling import replay
 
 STEPS = 3
@@ -41,6 +42,8 @@ def _trained(overflow, initial_scale, flat=False, jit=False, strategy=None, batc
     kmp.prepare(model, flat_buffers=flat)
     x, y = _data(batch * steps, hot_rows, hot)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    # The path asked for, not a fallback from it.
+    assert describe_path(model).startswith("flat buffers" if flat else "per-variable update"), describe_path(model)
     return model
 
 

@@ -106,9 +106,11 @@ def train_step(model: keras.Model, data):
     if replays(model):
         def again(new_scale):  # the same batch, weights and seeds, at another loss scale
             factor = new_scale if weight is None else new_scale * weight
-            # The weights read again (not updated yet): a replay built across replicas then takes each
-            # variable in, not each value, which would cross between devices (kmp.scaling.replay).
-            now = [tf.convert_to_tensor(v.value) for v in trainable]
+            # Across replicas the weights are read again (not updated yet): the replay, built across
+            # replicas, then takes each variable in, not each value (kmp.scaling.replay). On one device
+            # the values read: XLA's whole step then updates the variables in place after the branch.
+            now = values if model.distribute_strategy.num_replicas_in_sync == 1 else [
+                tf.convert_to_tensor(v.value) for v in trainable]
             return _compiled(model)(now, other_values, factor, x, y, sample_weight)[0]
 
         model.optimizer.apply(grads, trainable, replay=Replay(again, loss))

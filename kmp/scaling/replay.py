@@ -183,6 +183,7 @@ class _Packed:
 
     def packed(self, state):
         grads, finite, clip, flags = state
+        grads = [grads] if tf.is_tensor(grads) else grads  # the flat buffers' one gradient
         dense = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads if g is not None]
         out = [tf.constant(True), tf.concat(dense, 0) if dense else tf.zeros([0]), finite]
         if self.has_clip:
@@ -203,6 +204,8 @@ class _Packed:
         grads, _, clip, flags = given
         packed, finite = self.tensors[1], self.tensors[2]
         rest = self.tensors[3:]
+        one = tf.is_tensor(grads)  # the flat buffers' one gradient
+        grads = [grads] if one else grads
         out, offset = [], 0
         for g in grads:
             if g is None:
@@ -222,7 +225,7 @@ class _Packed:
         if self.has_flags:
             vector = rest.pop(0)
             new_flags = tf.reshape(vector, flags.shape) if tf.is_tensor(flags) else tf.unstack(vector, len(flags))
-        return out, finite, new_clip, new_flags
+        return (out[0] if one else out), finite, new_clip, new_flags
 
 
 def _loss_finite(replay):
