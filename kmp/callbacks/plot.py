@@ -117,11 +117,10 @@ def plot_run(steps: list[dict], path: str | os.PathLike, title: str = "kmp run")
         axes[1].set_yscale("log", base=2)
         axes[1].set_ylabel("loss scale")
         axes[2].step(x, [s.get("skipped_steps", 0.0) for s in steps], where="post", color=OVERFLOW_COLOR,
-                     linewidth=1.2)
+                     linewidth=1.2, label="skipped")
         if replays:
             axes[2].step(x, [s.get("replayed_steps", 0.0) for s in steps], where="post", color=REPLAY_COLOR,
                          linewidth=1.2, label="replayed")
-            axes[2].lines[0].set_label("skipped")
             axes[2].legend(loc="upper left")
         axes[2].set_ylabel("skipped / replayed steps" if replays else "skipped steps")
         # A count: integer ticks, and at least 0..1 so a run without skips is not drawn on -0.04..0.04.
