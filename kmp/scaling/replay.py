@@ -135,19 +135,19 @@ def _branch_across(strategy, optimizer, replay, given, layout, count, weight, re
         return [t for _ in range(across.count) for t in template.nothing()]
 
     def replays():
-        # The first retry before the loop: no gradient of the step enters this branch.
-        first = across.each(retry, replay, layout, count, weight)
-        scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
+        # The first retry here: no gradient of the step enters this branch. The retries after it are
+        # nested conds, not a while loop: under MultiWorkerMirroredStrategy a collective inside a while
+        # loop built across replicas never met its peer (DeadlineExceeded), inside a cond it does.
+        def retried(level, flat):
+            if level == MAX_REPLAYS:
+                return flat
+            again = (tf.logical_not(across.first(across.grouped(flat)[1]))
+                     & (tf.convert_to_tensor(optimizer.dynamic_scale.value) > config.min_scale))
+            return tf.cond(again,
+                           lambda: retried(level + 1, across.flat(across.each(retry, replay, layout, count, weight))),
+                           lambda: flat)
 
-        def more(i, scale, flat):
-            return (tf.logical_not(across.first(across.grouped(flat)[1])) & (i < MAX_REPLAYS)
-                    & (scale > config.min_scale))
-
-        def body(i, _, flat):
-            state = across.each(retry, replay, layout, count, weight)
-            return i + 1, tf.convert_to_tensor(optimizer.dynamic_scale.value), across.flat(state)
-
-        _, _, flat = tf.while_loop(more, body, (tf.constant(1), scale, across.flat(first)))
+        flat = retried(1, across.flat(across.each(retry, replay, layout, count, weight)))
         with tf.control_dependencies(flat):
             optimizer.replayed_steps.assign_add(tf.constant(1, optimizer.replayed_steps.dtype))
         states = across.grouped(flat)
