@@ -41,7 +41,7 @@ from typing import Callable
 import tensorflow as tf
 
 from kmp import seams
-from kmp.distribute.communication import all_reduce_sum
+from kmp.distribute.communication import all_reduce_sum, cpus_of_one_process
 
 # Retries of one step: from kmp's initial 2**15, 8 halvings reach 2**7. A step that still overflows is
 # skipped as with "skip", and the next step starts from the scale reached.
@@ -147,7 +147,20 @@ def _branch_across(strategy, optimizer, replay, given, layout, count, weight, re
                            lambda: retried(level + 1, across.flat(across.each(retry, replay, layout, count, weight))),
                            lambda: flat)
 
-        flat = retried(1, across.flat(across.each(retry, replay, layout, count, weight)))
+        first = across.flat(across.each(retry, replay, layout, count, weight))
+        if not cpus_of_one_process(strategy):
+            flat = retried(1, first)
+        else:
+            # CPUs of one process sum without collectives: a while loop, whose untaken branch costs the clean
+            # step less than the nested conds (per variable, 1.14x against 1.31x: benchmarks/RESULTS.md).
+            def more(i, flat):
+                return (tf.logical_not(across.first(across.grouped(flat)[1])) & (i < MAX_REPLAYS)
+                        & (tf.convert_to_tensor(optimizer.dynamic_scale.value) > config.min_scale))
+
+            def body(i, _):
+                return i + 1, across.flat(across.each(retry, replay, layout, count, weight))
+
+            _, flat = tf.while_loop(more, body, (tf.constant(1), first))
         with tf.control_dependencies(flat):
             optimizer.replayed_steps.assign_add(tf.constant(1, optimizer.replayed_steps.dtype))
         states = across.grouped(flat)
