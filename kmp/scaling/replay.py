@@ -29,8 +29,8 @@ window is. That branch takes no gradient in and gives each replica one packed
 tensor out (empty on a clean step); each replica then picks its own gradients
 or the replayed ones in a cond of its own, on its device. A branch across
 replicas that passed every variable's gradient of every replica through
-itself made a clean per-variable step 1.3x slower on two CPUs, this one 1.14x
-(benchmarks/replay_overhead.py); the flat buffers' (one tensor) 1.03x either way.
+itself made a clean per-variable step 1.3x slower on two CPUs, this one 1.13x
+(benchmarks/replay_overhead.py); the flat buffers' (one tensor) 1.01-1.03x either way.
 """
 
 from __future__ import annotations
