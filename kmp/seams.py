@@ -112,6 +112,10 @@ MODULE_SEAMS: dict[str, tuple[str, str, str]] = {
         "keras.src.trainers.data_adapters", "get_data_adapter",
         "kmp.engine.host_batches: the data adapter Keras's epoch iterator would make, made by kmp",
     ),
+    "regroup": (
+        "tensorflow.python.distribute.distribute_utils", "regroup",
+        "kmp.scaling.replay: each replica's replayed gradients, built across replicas, handed back to it",
+    ),
     "get_global_attribute": (
         "keras.src.backend.common.global_state", "get_global_attribute",
         "kmp.prepare on one device: a build from shapes that fails leaves no Keras name scope open",

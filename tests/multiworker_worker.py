@@ -70,7 +70,7 @@ def make_dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).with_options(options)
 
 
-def build_model(units=32, accumulation=None, steps_per_execution=1, zero_stage=0, inner=None):
+def build_model(units=32, accumulation=None, steps_per_execution=1, zero_stage=0, inner=None, overflow="skip"):
     import keras
 
     import kmp
@@ -88,14 +88,14 @@ def build_model(units=32, accumulation=None, steps_per_execution=1, zero_stage=0
     # or not averaged moves the weights by ~1e-2 and fails the parity test.
     optimizer = kmp.wrap(
         inner or keras.optimizers.Adam(1e-2, epsilon=0.1), initial_scale=INITIAL_SCALE,
-        dynamic_growth_steps=GROWTH_STEPS, zero_stage=zero_stage,
+        dynamic_growth_steps=GROWTH_STEPS, zero_stage=zero_stage, overflow=overflow,
         **({} if accumulation is None else {"gradient_accumulation_steps": accumulation}),
     )
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
     return model
 
 
-def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero_stage=0) -> dict:
+def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero_stage=0, overflow="skip") -> dict:
     """Train under `strategy`; weights, losses and loss-scale state, as JSON-able values.
 
     With `accumulation`, also counts the all-reduces this replica makes.
@@ -112,7 +112,8 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
     keras.utils.set_random_seed(0)
     x, y = make_data()
     with strategy.scope():
-        model = build_model(accumulation=accumulation, steps_per_execution=steps_per_execution, zero_stage=zero_stage)
+        model = build_model(accumulation=accumulation, steps_per_execution=steps_per_execution, zero_stage=zero_stage,
+                            overflow=overflow)
         calls = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.NONE, trainable=False)
     reduce = kmp.distribute.communication.all_reduce_sum
 
@@ -147,6 +148,7 @@ def train(strategy, prepare=True, accumulation=None, steps_per_execution=1, zero
             "scale": float(opt.dynamic_scale.numpy()),
             **{k: int(getattr(opt, k).numpy()) for k in
                ("iterations", "overflows", "skipped_steps", "good_steps", "hysteresis_left")},
+            **({"replayed_steps": int(opt.replayed_steps.numpy())} if overflow == "replay" else {}),
         },
     }
 
@@ -658,6 +660,9 @@ def main(argv: list[str]) -> int:
     # Keras 3.15 fails for steps_per_execution > 1 under any multi-replica
     # strategy (keras-team/keras#19246); prepared, 6 batches an epoch run as
     # executions of 4 and 2 steps.
+    # The spike in worker 1's share of the first batch overflows at the first scale: replayed on both workers.
+    phase("replayed")
+    result["replayed"] = train(strategy, prepare=True, overflow="replay")
     phase("four_steps_per_call")
     result["four_steps_per_call"] = train(strategy, prepare=True, steps_per_execution=4)
     phase("forward_overflow")

@@ -175,6 +175,7 @@ MAPPING = [
     ({"kmp": {"raise_at_min_scale": False}}, "loss_scale.raise_at_min_scale", False),
     ({"kmp": {"growth_factor": 4}}, "loss_scale.growth_factor", 4.0),
     ({"kmp": {"backoff_factor": 0.25}}, "loss_scale.backoff_factor", 0.25),
+    ({"kmp": {"overflow": "replay"}}, "loss_scale.overflow", "replay"),
     ({"kmp": {"strategy": "mirrored"}}, "strategy", "mirrored"),
     ({"communication_data_type": "bf16"}, "communication_data_type", "bfloat16"),
     ({"communication_data_type": "fp16"}, "communication_data_type", "float16"),

@@ -408,6 +408,7 @@ NOT_RUN = {
     "on an overflow:                        # the step is always skipped":
         "pseudo-code of kmp/scaling/state.py; the python block after it runs the examples",
     "micro-batch 1..N-1 (each replica, no communication):": "pseudo-code of an accumulation window",
+    'grads, finite = the step as with "skip" (all-reduced, checked)': "pseudo-code of kmp/scaling/replay.py",
     "kmp.errors.LossScaleError: kmp: the forward pass overflowed in layer 'gpt2_backbone/transformer_layer_0/"
     "feedforward_intermediate_dense' (Dense, computing in float16): its output was not finite while its inputs were. "
     "No loss scale fixes that (the scale multiplies the loss after the forward pass), so kmp stopped at the first such "

@@ -313,6 +313,23 @@ def test_every_worker_names_the_layer_whose_output_overflowed_on_one_workers_sha
         assert found["raised"] == ["hot", 1], (w["task"], found)
 
 
+def test_an_overflow_on_one_workers_share_is_replayed_on_both_as_on_one_device(workers):
+    """overflow="replay": the spike in worker 1's share of the first batch overflows; both workers recompute
+    that batch at the same lowered scales and apply it once, as one device does with the same global batches."""
+    policy = keras.config.dtype_policy()
+    try:
+        one_device = worker.train(tf.distribute.get_strategy(), overflow="replay")
+    finally:
+        keras.config.set_dtype_policy(policy)
+    steps = worker.EPOCHS * worker.ROWS // worker.GLOBAL_BATCH
+    assert one_device["state"]["replayed_steps"] >= 1 and one_device["state"]["iterations"] == steps
+    for w in workers:
+        assert w["replayed"]["flat_buffers"] == w["flat_buffers"]  # the path "skip" takes, not a fallback
+        assert w["replayed"]["state"] == one_device["state"], (w["task"], w["replayed"]["state"])
+        for ours, theirs in zip(w["replayed"]["weights"], one_device["weights"]):
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-3, atol=1e-4)
+
+
 def test_a_step_stuck_at_the_floor_stops_fit_on_every_worker_and_the_job_goes_on(workers):
     # Worker 1's share of the first batch is not finite and the scale starts at the floor: both workers raise
     # kmp.LossScaleError at that step, the weights unchanged; the phases after it (ZeRO, resume) still run.

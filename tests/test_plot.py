@@ -71,6 +71,36 @@ def test_skipped_steps_are_marked(tmp_path):
     assert with_marks > _reddish(_pixels(tmp_path / "clean.png")) + 50
 
 
+def _orange(pixels) -> int:
+    """Pixels of the replay colour (#ff7f0e), anti-aliasing allowed."""
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    return int(np.sum((r > 0.85) & (g > 0.35) & (g < 0.65) & (b < 0.25)))
+
+
+def test_replayed_steps_are_marked_apart_from_skipped_ones(tmp_path):
+    """overflow="replay" from 2**17: the first step overflows and is replayed (orange), none skipped (red)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=kmp.wrap(keras.optimizers.SGD(0.01), initial_scale=2.0**17, overflow="replay",
+                                     log_overflows=False), loss="mse")
+    kmp.prepare(model)
+    recorder = kmp.StepRecorder()
+    model.fit(x, np.full((96, 1), 10.0, "float32"), batch_size=8, verbose=0, callbacks=[recorder, LossScaleMonitor()])
+    numbers = kmp.plot_run(recorder.steps, tmp_path / "replay.png")
+    assert numbers["kmp.replayed_steps"] == "1" and numbers["kmp.replay_steps"] == "1"
+    assert numbers["kmp.skipped_steps"] == "0" and numbers["kmp.overflow_steps"] == ""
+    # The loss panel (the top third): its orange circle at the replayed step, gone when nothing was replayed.
+    marked = _pixels(tmp_path / "replay.png")
+    unreplayed = [{**s, "replayed_steps": 0.0} for s in recorder.steps]
+    kmp.plot_run(unreplayed, tmp_path / "none.png")
+    clean = _pixels(tmp_path / "none.png")
+    top = marked.shape[0] // 3
+    assert _orange(marked[:top]) > _orange(clean[:top]) + 20
+    assert _reddish(marked[:top]) == _reddish(clean[:top])  # no skipped-step cross
+
+
 @pytest.mark.parametrize("skips", [[0, 0, 0, 0], [0, 1, 1, 2], [0, 3, 7, 13]])
 def test_the_skipped_steps_axis_counts_in_whole_steps(tmp_path, monkeypatch, skips):
     figures, close = [], pyplot.close

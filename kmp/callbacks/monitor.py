@@ -63,8 +63,9 @@ _SCALE_STATE = {
     "overflows": "overflows",
     "skipped_steps": "skipped_steps",
 }
-# Also logged: where the last overflow was (kmp's optimizer only).
-_LOGGED = _SCALE_STATE | {"overflow_variable": "overflow_variable"}
+# Also logged: where the last overflow was (kmp's optimizer only); steps replayed at a lowered scale
+# (overflow="replay" only).
+_LOGGED = _SCALE_STATE | {"overflow_variable": "overflow_variable", "replayed_steps": "replayed_steps"}
 
 
 class _Probe:

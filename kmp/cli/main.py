@@ -103,7 +103,8 @@ def _demo(args: argparse.Namespace) -> int:
         optimizer = kmp.wrap(own, args.config, precision=chosen, states=args.states, **(
             {"micro_batch_size": batch_size, "total_steps": fills["total_steps"],
              "warmup_steps": fills["warmup_steps"]} if args.config else {}),
-            **({"initial_scale": 2.0**DEMO_SCALE_POWER, "dynamic_growth_steps": DEMO_WINDOW} if demo_scale else {}))
+            **({"initial_scale": 2.0**DEMO_SCALE_POWER, "dynamic_growth_steps": DEMO_WINDOW} if demo_scale else {}),
+            **({"overflow": args.overflow} if args.overflow and chosen.needs_loss_scaling else {}))
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         kmp.prepare(model)  # XLA forward/backward, and the flat-buffer engine where it applies
         print(f"kmp demo: {chosen} on {len(x)} digits images, optimizer {type(optimizer).__name__}")
@@ -111,7 +112,8 @@ def _demo(args: argparse.Namespace) -> int:
             power, run = DEMO_SCALE_POWER, args.epochs * -(-len(x) // batch_size)
             print(f"kmp demo: loss scale from 2**{power} (DeepSpeed's initial_scale_power {power}), doubled after "
                   f"{DEMO_WINDOW} clean steps (loss_scale_window {DEMO_WINDOW}, not DeepSpeed's 1000, so that {run} "
-                  "steps show it grow), halved at each overflow (the step is skipped and logged)")
+                  "steps show it grow), halved at each overflow (the step is "
+                  f"{'replayed at the halved scale' if getattr(optimizer, 'replays', False) else 'skipped'} and logged)")
         start = time.perf_counter()
         recorder = kmp.StepRecorder()
         scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)  # else no scale to monitor (it warns)
@@ -126,6 +128,9 @@ def _demo(args: argparse.Namespace) -> int:
         skipped = getattr(optimizer, "skipped_steps", None)
         if skipped is not None:
             print(f"skipped steps  {int(skipped.numpy())} of {int(skipped.numpy()) + int(optimizer.iterations.numpy())}")
+        replayed = getattr(optimizer, "replayed_steps", None)
+        if replayed is not None:
+            print(f"replayed steps {int(replayed.numpy())} (recomputed at a lowered scale, then applied)")
     else:
         print(f"loss scale     none ({chosen.compute_dtype} needs no loss scaling)")
     engine = "flat buffers (kmp.engine)" if kmp.engine.engine.engine_of(model) is not None else "per variable"
@@ -133,7 +138,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"train time     {seconds:.1f} s for {args.epochs} epochs")
     if args.plot:
         kmp.plot_run(recorder.steps, args.plot, title=f"kmp demo, {chosen.name}")
-        print(f"plot           {args.plot} (loss, loss scale, skipped steps per step)")
+        print(f"plot           {args.plot} (loss, loss scale, skipped and replayed steps per step)")
     return 0
 
 
@@ -260,6 +265,9 @@ def _add_demo(commands) -> None:
     demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--learning-rate", type=float, default=2e-3)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--overflow", choices=("skip", "replay"),
+                      help="what an overflowing step does: skipped, or replayed at the lowered scale (default: "
+                           "kmp.wrap's, or the config's kmp.overflow)")
     demo.add_argument("--states", choices=("32bit", "8bit"), default="32bit",
                       help="the optimizer's moments: 32bit (default), or 8bit (block-wise quantized, kmp.AdamW8bit)")
     demo.add_argument("--verbose", action="store_true", help="print one line per epoch")

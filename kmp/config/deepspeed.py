@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kmp.config import auto, autocast_block, optimizer_block, zero_block
-from kmp.config.settings import GROWTH_RULES, STRATEGIES, Config, LossScaleConfig, attempt
+from kmp.config.settings import GROWTH_RULES, OVERFLOW_RULES, STRATEGIES, Config, LossScaleConfig, attempt
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 from kmp.schedules import formulas
 from kmp.values import FLOAT32_MAX, INT64_MAX, int_in, is_int, is_number, key_name, plain
@@ -58,6 +58,7 @@ DEEPSPEED_LOSS_SCALE = LossScaleConfig(
     max_scale=2.0**24,
     raise_at_min_scale=True,
     growth_rule="after_window",
+    overflow="skip",  # DeepSpeed skips an overflowing step: its trajectories stay exact
 )
 # What scales the loss under torch_autocast float16 when no fp16 block is enabled: torch.amp.GradScaler()
 # (deepspeed/runtime/engine.py; stage_1_and_2.py, stage3.py), at its defaults (init_scale=2**16,
@@ -72,6 +73,7 @@ _BOOL = ("true or false", lambda v: isinstance(v, bool))
 _INT = ("an integer", is_int)
 _NUMBER = ("a number", is_number)
 _GROWTH_RULE = ("one of " + ", ".join(repr(r) for r in GROWTH_RULES), lambda v: isinstance(v, str))
+_OVERFLOW = ("one of " + ", ".join(repr(r) for r in OVERFLOW_RULES), lambda v: isinstance(v, str))
 
 
 def _zero_is_none(v: Any) -> float | None:
@@ -136,6 +138,7 @@ DEEPSPEED_KEYS: tuple[_Key, ...] = (
     _Key("kmp.raise_at_min_scale", "loss_scale.raise_at_min_scale", _BOOL),
     _Key("kmp.growth_factor", "loss_scale.growth_factor", _NUMBER, float),
     _Key("kmp.backoff_factor", "loss_scale.backoff_factor", _NUMBER, float),
+    _Key("kmp.overflow", "loss_scale.overflow", _OVERFLOW),
     _Key("kmp.strategy", "strategy", _STRATEGY),
     _Key("communication_data_type", "communication_data_type", _COMMUNICATION_DTYPE,
          lambda v: _DTYPE_NAMES[v.lower()], lambda d: {t: k for k, t in _DTYPE_NAMES.items()}.get(d, d)),

@@ -25,11 +25,15 @@ from kmp.config.optimizer_block import OptimizerSpec
 from kmp.errors import ConfigError, Problem, check, did_you_mean
 
 GrowthRule = Literal["every_window", "after_window"]
+# What an overflowing step does (kmp.scaling.replay): skipped (DeepSpeed, Keras), or recomputed on its batch
+# at the lowered scale until it is finite.
+OverflowRule = Literal["skip", "replay"]
 PrecisionName = Literal["fp32", "fp16", "bf16"]
 
 StrategyName = Literal["auto", "default", "mirrored", "multi_worker_mirrored", "tpu"]
 
 GROWTH_RULES: tuple[str, ...] = get_args(GrowthRule)
+OVERFLOW_RULES: tuple[str, ...] = get_args(OverflowRule)
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
 
@@ -92,6 +96,7 @@ class LossScaleConfig:
     static_scale: float | None = None
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
+    overflow: OverflowRule = "skip"
 
     def __post_init__(self) -> None:
         _validate(self, self._problems(), "loss-scale settings")
@@ -122,6 +127,7 @@ class LossScaleConfig:
             values.positive("static_scale", self.static_scale, out)
         values.number_in("growth_factor", self.growth_factor, out, above=1)
         values.number_in("backoff_factor", self.backoff_factor, out, above=0, below=1)
+        values.choice("overflow", self.overflow, OVERFLOW_RULES, out)
         return out
 
 

@@ -79,6 +79,7 @@ from kmp.engine import state as kmp_state
 from kmp.engine import xla_choice
 from kmp.engine import buffers as flat
 from kmp.scaling import overflow
+from kmp.scaling.replay import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,14 @@ class Engine:
         # eagerly and copies them itself (kmp.engine.overflow_layer).
         traced_diagnosis = kmp_state.setting(model, "find_overflow_layer") and overflow.in_xla()
         before = tf.convert_to_tensor(model.optimizer.skipped_steps.value) if traced_diagnosis else None
-        model.optimizer.apply_flat(grad, buffers)
+        replay = None
+        if replica_step.replays(model):
+            def again(new_scale):  # the same batch, weights and seeds, at another loss scale
+                factor = new_scale if weight is None else new_scale * weight
+                return self._compiled()(weights, other_values, new_scale, factor, x, y, sample_weight)[0]
+
+            replay = Replay(again, loss)
+        model.optimizer.apply_flat(grad, buffers, replay=replay)
         if traced_diagnosis:
             overflowed = tf.convert_to_tensor(model.optimizer.skipped_steps.value) > before
             tf.cond(overflowed, lambda: buffers.store_weights_here() or tf.no_op(), tf.no_op)

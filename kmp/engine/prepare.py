@@ -322,7 +322,8 @@ def _plan(model, step_function) -> _Plan:
     xla = _xla_asked(model)
     # Timed on one device: the parts compiled as under a strategy, since no stamp fits inside one XLA step.
     timed_apart = bool(every) and xla and not several
-    if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart):
+    # Replaying an overflowing step recomputes its forward/backward: on one device too, kmp's step, which can.
+    if stock and (replica_step.wants_replica_xla(model, setting) or timed_apart or replica_step.replays(model)):
         # A new train function (after compile(), a new prepare(), frozen
         # layers) traces new XLA functions: a cached one holds the old loss,
         # metrics and trainable variables.
@@ -345,7 +346,8 @@ def _plan(model, step_function) -> _Plan:
     # computation, which fails with several replicas.
     return _Plan(step=step_function, engine=flat_engine, stock=stock, kmp_step=kmp_step,
                  whole_step_xla=xla and not several and not timed_apart,
-                 replica_xla=kmp_step and (flat_engine is None or flat_engine.xla), finder=finder, every=every,
+                 replica_xla=kmp_step and (flat_engine.xla if flat_engine is not None else several or xla),
+                 finder=finder, every=every,
                  timed_apart=timed_apart)
 
 

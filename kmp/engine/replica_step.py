@@ -38,6 +38,7 @@ from kmp import seams
 from kmp.distribute.communication import all_reduce_sum, cpus_of_one_process
 from kmp.distribute.tpu import is_tpu_strategy
 from kmp.engine import state, wall_clock, xla_choice
+from kmp.scaling.replay import Replay
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +104,27 @@ def train_step(model: keras.Model, data):
     passed(model, loss)
     wall_clock.stamp("gradients", grads)
     apply_writes_and_track_loss(model, writes, loss, x)
-    model.optimizer.apply(grads, trainable)
+    if replays(model):
+        def again(new_scale):  # the same batch, weights and seeds, at another loss scale
+            factor = new_scale if weight is None else new_scale * weight
+            # Across replicas the weights are read again (not updated yet): the replay, built across
+            # replicas, then takes each variable in, not each value (kmp.scaling.replay). On one device
+            # the values read: XLA's whole step then updates the variables in place after the branch.
+            now = values if model.distribute_strategy.num_replicas_in_sync == 1 else [
+                tf.convert_to_tensor(v.value) for v in trainable]
+            return _compiled(model)(now, other_values, factor, x, y, sample_weight)[0]
+
+        model.optimizer.apply(grads, trainable, replay=Replay(again, loss))
+    else:
+        model.optimizer.apply(grads, trainable)
     wall_clock.stamp("updated", trainable[:1])  # kmp's optimizer stamped its own parts already
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def replays(model: keras.Model) -> bool:
+    """Whether the model's optimizer replays overflowing steps (kmp.scaling.replay): its step then passes
+    the optimizer a way to compute the batch's gradients again."""
+    return bool(getattr(model.optimizer, "replays", False))
 
 
 # Below this many trainable parameters replicas on CPUs run their passes together (in_turn).
@@ -202,7 +221,11 @@ def _compiled(model):
     cache = state.ensure(model).replica_steps
     key = replica_key()
     if key not in cache:
-        cache[key] = compiled(model, lambda *args: _forward_backward(model, *args))
+        function = lambda *args: _forward_backward(model, *args)  # noqa: E731
+        # On one device (a replaying step, kmp.scaling.replay) XLA only where Keras's whole step would have it.
+        one_device_plain = not splits_replicas(model.distribute_strategy) and not (
+            state.setting(model, "jit_compile") is True or model.jit_compile)
+        cache[key] = xla_choice.plain(function) if one_device_plain else compiled(model, function)
     return cache[key]
 
 

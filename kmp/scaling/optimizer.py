@@ -52,6 +52,7 @@ from kmp.engine import replica_state, wall_clock, zero
 from kmp.engine.fused import fused_apply, fused_step
 from kmp.errors import Problem, check, did_you_mean
 from kmp.scaling import overflow
+from kmp.scaling import replay as replay_module
 from kmp.scaling import state as loss_scale
 from kmp.scaling.accumulate import Accumulation
 from kmp.scaling.gradients import clipped_check, finite_flags, typed_where, unscale
@@ -82,6 +83,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         static_scale: a fixed scale instead of a dynamic one; overflowing
             steps are still skipped.
         growth_factor, backoff_factor: 2 and 0.5 by default.
+        overflow: what an overflowing step does: "skip" it (Keras, DeepSpeed),
+            or "replay" it: its batch's forward/backward again at the lowered
+            scale, inside the step, until finite (at most
+            kmp.scaling.replay.MAX_REPLAYS times, not below min_scale), then
+            one update. Needs kmp.prepare(model), whose step can recompute.
         loss_scale: all of the above as one `kmp.LossScaleConfig` (what
             `kmp.wrap` passes); then leave the arguments above at their defaults.
         log_overflows: print one line per overflow (not on clean steps).
@@ -121,6 +127,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         static_scale=_DEFAULTS.static_scale,
         growth_factor=_DEFAULTS.growth_factor,
         backoff_factor=_DEFAULTS.backoff_factor,
+        overflow=_DEFAULTS.overflow,
         log_overflows=True,
         forward_overflow="raise",
         gradient_accumulation_steps=None,
@@ -136,7 +143,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             initial_scale=initial_scale, dynamic_growth_steps=dynamic_growth_steps, hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale, max_scale=max_scale,
             raise_at_min_scale=raise_at_min_scale, growth_rule=growth_rule, static_scale=static_scale,
-            growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_factor=growth_factor, backoff_factor=backoff_factor, overflow=overflow,
         )
         problems = _inner_problems(inner_optimizer, gradient_clipping) + _unknown_arguments(kwargs)
         config, more = _loss_scale_config(loss_scale, given)
@@ -170,6 +177,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.zero_stage = values.plain(zero_stage)
         self._zero_noted = False
         self._sixteen_noted = False  # apply said that 16-bit weights are updated in their own dtype
+        self._replay_noted = False  # apply said that a step without kmp.prepare's cannot replay
         self._floor_asserts = True  # False while tracing a call that began before kmp wrapped it (apply)
         # kmp's own accumulation. Keras's `gradient_accumulation_steps`
         # attribute stays None: Keras would otherwise accumulate by itself.
@@ -197,9 +205,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # not finite at the last overflow (-1: none yet), for the logs.
             initial = {"hysteresis_left": start.hysteresis_left, "good_steps": 0, "skipped_steps": 0,
                        "overflow_variable": -1}
-            for field in _STATE_FIELDS:
+            # replayed_steps: steps recomputed at a lowered scale (overflow="replay" only: "skip"'s
+            # checkpoints keep Keras's and DeepSpeed's variables).
+            fields = _STATE_FIELDS + (("replayed_steps",) if self.replays else ())
+            for field in fields:
                 setattr(self, field, self.add_variable(
-                    shape=(), dtype="int", initializer=keras.initializers.Constant(initial[field]),
+                    shape=(), dtype="int", initializer=keras.initializers.Constant(initial.get(field, 0)),
                     aggregation="none", name=field,
                 ))
             if self.accumulation is not None:
@@ -242,6 +253,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             overflow.settle_floor(model)
 
     @property
+    def replays(self) -> bool:
+        """Whether an overflowing step is replayed at a lowered scale (overflow="replay", a dynamic scale)."""
+        config = self.loss_scale_config
+        return config.overflow == "replay" and config.dynamic
+
+    @property
     def overflows(self):
         """Overflow steps. Every overflow skips its step (the contract), so this is `skipped_steps`."""
         return getattr(self, "skipped_steps", None)
@@ -249,11 +266,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # Keras's own code is never autograph-converted (TensorFlow's DoNotConvert('keras')); in a user's
     # tf.function, kmp's step would otherwise be, at several seconds of CPU on its first trace, for nothing.
     @tf.autograph.experimental.do_not_convert
-    def apply(self, grads, trainable_variables=None, *, micro_batch_weight=None):
+    def apply(self, grads, trainable_variables=None, *, micro_batch_weight=None, replay=None):
         """One (micro-)step. `micro_batch_weight` (e.g. a token count) makes
         the gradient the weighted mean: sum(grads) / sum(weights) over the
         micro-batches of the window and every replica; the loss whose
         gradients are passed is then a sum over the micro-batch, not a mean.
+        `replay` (a kmp.scaling.replay.Replay, from kmp.prepare's step): how
+        to recompute these gradients, scaled, at another scale.
         """
         # Traced: once per train function (eagerly the step raises itself), before the build, which
         # would wrap the train function for the next calls only.
@@ -288,30 +307,54 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = None if not config.dynamic and config.static_scale == 1 else self.dynamic_scale.value
         grads = [g if self._overwrite_variable_with_gradient(v) else unscale(g, scale) for g, v in zip(grads, variables)]
         weight = None if micro_batch_weight is None else tf.cast(micro_batch_weight, tf.float32)
+        if replay is not None:
+            own = [self._overwrite_variable_with_gradient(v) for v in variables]
+            raw = replay.gradients
+            replay = dataclasses.replace(replay, gradients=lambda s: [
+                g if o else unscale(g, s) for g, o in zip(raw(s), own)])
         self._floor_asserts = asserts
         try:
-            self._step(grads, _PerVariable(self, variables, trainable_variables), weight)
+            self._step(grads, _PerVariable(self, variables, trainable_variables), weight, self._replay_of(replay))
         finally:
             self._floor_asserts = True
 
-    def apply_flat(self, grad, buffers) -> None:
+    def apply_flat(self, grad, buffers, replay=None) -> None:
         """One (micro-)step on flat buffers (kmp.engine.buffers): `grad` is this replica's
         gradient of the flat weights, already unscaled in float32 (kmp.engine
         divides inside its XLA computation, saving a pass over memory). The
         same contract as `apply`: one all-reduce (in buckets), one overflow
         check, clipping by the global norm after the reduce, the update in one
-        XLA computation if finite.
+        XLA computation if finite. `replay`: as apply's, its gradients the
+        flat one, unscaled.
         """
         wall_clock.stamp("gradients", grad)
-        self._step([grad], buffers.layout, None)
+        if replay is not None:
+            raw = replay.gradients
+            replay = dataclasses.replace(replay, gradients=lambda s: [raw(s)])
+        self._step([grad], buffers.layout, None, self._replay_of(replay))
 
-    def _step(self, grads, layout, weight):
+    def _replay_of(self, given):
+        """The step's replay where this optimizer replays (else None); said once where it cannot."""
+        if not self.replays:
+            return None
+        if given is None and not self._replay_noted:
+            self._replay_noted = True
+            logger.warning("kmp: overflow=\"replay\" needs the step of kmp.prepare(model), which can compute a "
+                           "batch's gradients again; this model's step cannot (kmp.prepare was not called, or the "
+                           "model has its own train_step): its overflowing steps are skipped, as with \"skip\".")
+        return given
+
+    def _step(self, grads, layout, weight, replay=None):
         """One (micro-)step of `grads` (unscaled float32) in `layout`: _PerVariable, or the flat
         buffers' (kmp.engine.layout)."""
         if self.accumulation is None:
-            self._effective_step(grads, layout, None, weight)
-        else:
-            _maybe_merge_call(self._micro_step, grads, layout, weight)
+            self._effective_step(grads, layout, None, weight, replay)
+            return
+        if replay is not None:
+            # Only this micro-batch is replayed, before it joins the window (kmp.scaling.replay).
+            grads, _, _, _ = replay_module.replayed(self, replay, grads, replay_module.agreed_finite(grads), None,
+                                                    None, layout, None, weight, reduce=False)
+        _maybe_merge_call(self._micro_step, grads, layout, weight)
 
     def _micro_step(self, strategy, grads, layout, weight):
         # The window is the same on every replica. Where merge_call is used
@@ -331,12 +374,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         totals, count, weight = self.accumulation.close(grads, weight, sums=layout.sums())
         self._effective_step(totals, layout, count, weight)
 
-    def _effective_step(self, grads, layout, count, weight):
-        """All-reduce once, check, clip, apply if finite, move the scale (replica context)."""
+    def _effective_step(self, grads, layout, count, weight, replay=None):
+        """All-reduce once, check, (replay,) clip, apply if finite, move the scale (replica context)."""
         grads = layout.reduce(self, grads, count, weight)
         wall_clock.stamp("reduced", grads)
         finite, clip, flags = layout.check(self, grads)
         wall_clock.stamp("checked", [finite, clip])
+        if replay is not None:
+            grads, finite, clip, flags = replay_module.replayed(self, replay, grads, finite, clip, flags, layout,
+                                                                count, weight)
         layout.update(self, grads, finite, clip)
         wall_clock.stamp("updated", layout.updated())
         self._adjust(finite, flags, layout.variables)  # flags: a vector on the flat path, no op per variable

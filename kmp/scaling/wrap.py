@@ -77,6 +77,9 @@ def wrap(optimizer=None, config=None, *, precision=None, strict=False, total_ste
             `micro_batch_size` (these also fill "auto" values),
             `forward_overflow` ("raise", "float32", "backoff": what a float16
             layer whose forward output overflows does; docs/loss-scaling.md),
+            `overflow` ("skip", the default, or "replay": an overflowing
+            step recomputed at the lowered scale and applied; needs
+            kmp.prepare(model); docs/loss-scaling.md),
             `wall_clock_breakdown` and `steps_per_print` (DeepSpeed's
             timers, applied by `kmp.prepare(model)`: kmp.engine.wall_clock),
             `zero_stage=1` (the optimizer state sharded across replicas on
