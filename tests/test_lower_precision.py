@@ -84,7 +84,7 @@ def test_float16_layers_not_in_the_safe_set_compute_in_float32(float16, caplog):
     assert policies == {"d1": "mixed_float16", "probe": "float32", "seen": "float32", "norm": "float32",
                         "d2": "mixed_float16", "softmax": "float32"}
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert lines == ["kmp: torch_autocast.lower_precision_safe_modules: 4 layers of functional compute in float32 "
+    assert lines == [f"kmp: torch_autocast.lower_precision_safe_modules: 4 layers of {model.name} compute in float32 "
                      "(1 LayerNormalization, 1 Probe, 1 Seen, 1 Softmax); in float16: 2 Dense. Weights stay float32."]
     probe, seen = model.get_layer("probe"), model.get_layer("seen")
     probe.seen.clear(), seen.seen.clear()  # their symbolic calls, building the model
@@ -143,7 +143,7 @@ def test_keras_hub_gpt2_in_bfloat16_moves_its_layers_and_trains(caplog, tmp_path
         history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # The line docs/precision.md shows.
-    assert lines == ["kmp: torch_autocast.lower_precision_safe_modules: 11 layers of gpt2_causal_lm compute in "
+    assert lines == [f"kmp: torch_autocast.lower_precision_safe_modules: 11 layers of {model.name} compute in "
                      "float32 (1 Add, 4 Dropout, 3 LayerNormalization, 1 PositionEmbedding, 1 ReversibleEmbedding, "
                      "1 Softmax); in bfloat16: 2 Dense, 4 EinsumDense. Weights stay float32."]
     backbone = model.backbone

@@ -117,8 +117,13 @@ def _cast(value, dtype):
 
 def _output_layers(model: keras.Model) -> list:
     """The layers whose outputs are a Functional model's outputs (their float32 is what the loss reads)."""
-    outputs = getattr(model, "_outputs", None) or []
-    return [t._keras_history.operation for t in keras.tree.flatten(outputs) if hasattr(t, "_keras_history")]
+    found = []
+    for name in getattr(model, "output_names", None) or []:  # a Functional model's: its output layers' names
+        try:
+            found.append(model.get_layer(name))
+        except ValueError:  # an output no layer of the model's own makes
+            pass
+    return found
 
 
 def _listed(counts: Counter) -> str:
