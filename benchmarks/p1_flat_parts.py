@@ -10,11 +10,12 @@ update, the rest):
 - the same model on one device, the whole batch (its forward/backward and
   update compiled apart, so the parts can be stamped);
 - stock Keras on one device with whole-step XLA: the floor, one number;
-- and the floors of two parts, on a flat float32 tensor of the model's
-  parameter count: the all-reduce between the two logical CPUs
-  (MirroredStrategy's, alone), Adam's update with XLA on one device (read
-  the gradient and three buffers, write three), and a copy of the tensor
-  with XLA (the memory's bandwidth).
+- and, on a flat float32 tensor of the model's parameter count, alone:
+  MirroredStrategy's all-reduce between the two logical CPUs, Adam's
+  update written plainly with XLA on one device (read the gradient and
+  three buffers, write three), and a copy of the tensor with XLA (the
+  memory's bandwidth: the floor of any pass over the buffers). kmp's own
+  all-reduce and update are below the first two.
 
 Each model takes `--windows` fit() calls of `--steps` steps, in rotation; a
 part's figure is the median over the windows of its mean per step.
@@ -123,8 +124,8 @@ def _part_floors(mirrored, parameters: int) -> dict:
         copied.assign(g)
         return copied[0]
 
-    return {f"floor: all-reduce of {parameters:,} float32, two logical CPUs": lambda: all_reduce(shares),
-            "floor: Adam's update on them, one device, XLA": lambda: update(gradient),
+    return {f"alone: MirroredStrategy's all-reduce of {parameters:,} float32": lambda: all_reduce(shares),
+            "alone: Adam's update on them written plainly, XLA": lambda: update(gradient),
             "floor: a copy of them, one device, XLA": lambda: copy(gradient)}
 
 
