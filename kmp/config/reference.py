@@ -84,11 +84,7 @@ def reference() -> str:
             "| key | expected | not honoured because |", "| --- | --- | --- |"]
     for key, (expected, _, why) in deepspeed._CHECKPOINTING_KEYS.items():
         out.append(f"| `{key}` | {expected} | {why} |")
-    out += ["", "### `torch_autocast` (`kmp.config.autocast_block.AUTOCAST_KEYS`)", "",
-            "A key not listed is an error.", "", "| key | expected | default when left out | what kmp does |",
-            "| --- | --- | --- | --- |"]
-    for key, (expected, default, does) in autocast_block.AUTOCAST_KEYS.items():
-        out.append(f"| `{key}` | {expected} | {default} | {does} |")
+    out += _block_table("torch_autocast", "AUTOCAST_KEYS", autocast_block.AUTOCAST_KEYS)
     out += ["", "torch module names (`torch.nn.X` or `torch.nn.modules.<module>.X`) and the `keras.layers` classes "
             "they stand for (a subclass counts as its class); any other name is named in one warning, with why:",
             "", "| torch.nn | keras.layers |", "| --- | --- |"]
@@ -96,11 +92,7 @@ def reference() -> str:
         out.append(f"| `{torch_name}` | {', '.join(f'`{k}`' for k in keras_names)} |")
     for torch_name, why in autocast_block.NO_KERAS.items():
         out.append(f"| `{torch_name}` | none: {why} |")
-    out += ["", "### `data_types` (`kmp.config.autocast_block.DATA_TYPES_KEYS`)", "",
-            "A key not listed is an error.", "", "| key | expected | default when left out | what kmp does |",
-            "| --- | --- | --- | --- |"]
-    for key, (expected, default, does) in autocast_block.DATA_TYPES_KEYS.items():
-        out.append(f"| `{key}` | {expected} | {default} | {does} |")
+    out += _block_table("data_types", "DATA_TYPES_KEYS", autocast_block.DATA_TYPES_KEYS)
     out += ["", "### Keys DeepSpeed reads that kmp does not act on (one warning names them)", ""]
     for level, keys in deepspeed._IGNORED.items():
         where = f"`{level}` block" if level else "top level"
@@ -120,9 +112,16 @@ def write(doc: str = DOC) -> bool:
             f.write(new)
     return new != text
 
+def _block_table(block: str, name: str, keys: dict) -> list[str]:
+    """A checked block's keys (autocast_block's tables: key -> (expected, default, what kmp does))."""
+    out = ["", f"### `{block}` (`kmp.config.autocast_block.{name}`)", "", "A key not listed is an error.", "",
+           "| key | expected | default when left out | what kmp does |", "| --- | --- | --- | --- |"]
+    return out + [f"| `{key}` | {expected} | {default} | {does} |" for key, (expected, default, does) in keys.items()]
+
 
 if __name__ == "__main__":
     if "--write" in sys.argv[1:]:
         print("docs/config.md " + ("updated" if write() else "already up to date"))
     else:
         print(reference())
+
